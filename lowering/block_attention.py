@@ -1,0 +1,133 @@
+"""Attention over dense, already gathered blocks, returning the log-sum-exp: the SDPA kernels.
+
+Every function here takes q, k, v of shape [B, G, L, D] (G = heads x segments), an optional
+additive float `bias` broadcastable to [B, G, L, L] (-inf where attention is forbidden) and
+returns per-row log-sum-exp in float32, so that the caller can merge several blocks exactly.
+Rows with no allowed key come back with an arbitrary lse; the caller knows which they are.
+
+Kernels (chosen by `kernel_for`):
+- "flash_cpu":  aten._scaled_dot_product_flash_attention_for_cpu (CPU, any float dtype)
+- "flash":      aten._scaled_dot_product_flash_attention (CUDA, fp16/bf16, no bias, D <= 256)
+- "efficient":  aten._scaled_dot_product_efficient_attention (CUDA, the rest)
+- "math":       float32 matmuls in PyTorch, used when dropout is on: its keep mask is a hash of
+                positions (lowering/dropout.py), which no SDPA kernel accepts.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+
+def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int, has_bias: bool,
+               dropout: bool) -> str:
+    if dropout:
+        return "math"
+    if device.type == "cpu":
+        return "flash_cpu"
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and not has_bias \
+            and head_dim % 8 == 0 and head_dim <= 256:
+        return "flash"
+    if device.type == "cuda":
+        return "efficient"
+    return "math"
+
+
+def _aligned_bias(bias: torch.Tensor, shape) -> torch.Tensor:
+    """Expanded bias whose row stride is a multiple of 16, as the efficient kernel requires."""
+    length = bias.shape[-1]
+    pad = (-length) % 16
+    if pad:
+        bias = F.pad(bias.expand(*shape[:-1], length), (0, pad))[..., :length]
+    return bias.expand(shape)
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _math_scores(q, k, bias, is_causal, scale):
+    wide = _wide(q.dtype)
+    s = torch.matmul(q.to(wide), k.to(wide).transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.to(wide)
+    if is_causal:
+        length = s.shape[-1]
+        tril = torch.ones(length, length, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~tril, float("-inf"))
+    return s
+
+
+def forward(q, k, v, *, bias, is_causal, scale, keep=None, dropout_p=0.0):
+    kernel = kernel_for(q.device, q.dtype, q.shape[-1], bias is not None, keep is not None)
+    if kernel == "flash_cpu":
+        mask = None if bias is None else bias.to(q.dtype)
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+        return out, lse
+    if kernel == "flash":
+        res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+        return res[0], res[1]
+    if kernel == "efficient":
+        shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        b = None if bias is None else _aligned_bias(bias.to(q.dtype), shape)
+        out, lse, _, _ = aten._scaled_dot_product_efficient_attention(
+            q, k, v, b, True, 0.0, is_causal, scale=scale)
+        return out, lse[..., : q.shape[2]]
+    s = _math_scores(q, k, bias, is_causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
+    if keep is not None:
+        p = p * keep / (1.0 - dropout_p)
+    out = torch.matmul(p, v.to(p.dtype)).to(q.dtype)
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, *, bias, is_causal, scale, keep=None, dropout_p=0.0):
+    """Gradients of the block attention given the FINAL out and lse of each row.
+
+    With out and lse of the whole mixture (not of this block alone), these are exactly this
+    block's share of the gradient of the mixture (FlashAttention-2's backward, term by term).
+    Rows whose lse is +inf contribute nothing.
+    """
+    kernel = kernel_for(q.device, q.dtype, q.shape[-1], bias is not None, keep is not None)
+    lse = lse.contiguous()
+    if kernel == "flash_cpu":
+        mask = None if bias is None else bias.to(q.dtype)
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.to(q.dtype), 0.0, is_causal, attn_mask=mask, scale=scale)
+    if kernel == "flash":
+        seed = torch.empty((2,), dtype=torch.uint64, device=q.device)
+        offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.float(), None, None, q.shape[2], k.shape[2], 0.0, is_causal,
+            seed, offset, scale=scale)
+    if kernel == "efficient":
+        shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        b = None if bias is None else _aligned_bias(bias.to(q.dtype), shape)
+        padded = math.ceil(q.shape[2] / 32) * 32
+        lse = F.pad(lse.float(), (0, padded - q.shape[2]))
+        seed = torch.empty((), dtype=torch.long, device=q.device)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, b, out, lse, seed, seed, 0.0, [True, True, True, False], is_causal,
+            scale=scale)
+        return dq, dk, dv
+    s = _math_scores(q, k, bias, is_causal, scale)
+    p = torch.exp(s - lse.to(s.dtype).unsqueeze(-1))
+    wide = s.dtype
+    do = dout.to(wide)
+    dp = torch.matmul(do, v.to(wide).transpose(-1, -2))
+    pd = p
+    if keep is not None:
+        factor = keep / (1.0 - dropout_p)
+        pd = p * factor
+        dp = dp * factor
+    delta = (do * out.to(wide)).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    dq = torch.matmul(ds, k.to(wide)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(wide)) * scale
+    dv = torch.matmul(pd.transpose(-1, -2), do)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

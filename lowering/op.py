@@ -1,0 +1,124 @@
+"""The op: torch.ops.hilbert_fx.dilated_attention, a torch.library custom op with a fake
+implementation and a registered autograd formula, and `dilated_attention`, its public front.
+
+The custom op takes everything already checked and resolved (scale a float, lowering either
+"sdpa" or "triton"), so that a rewritten FX graph shows the lowering it will run.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import sdpa_lowering
+from .arguments import check_branches, check_lowering, check_tensors, resolve_lowering
+from .dropout import new_seed
+from .plans import branch_plans
+
+
+def _lowering_module(lowering: str):
+    if lowering == "sdpa":
+        return sdpa_lowering
+    if lowering == "triton":
+        from . import triton_lowering
+        return triton_lowering
+    raise ValueError(f"lowering must be 'sdpa' or 'triton' once resolved, got {lowering!r}")
+
+
+def _compute_dtype(q: Tensor, lowering: str) -> torch.dtype:
+    """The SDPA lowering works in float32 where the device has no fast half type (SPEC 3)."""
+    if lowering == "sdpa" and q.dtype in (torch.float16, torch.bfloat16) and q.device.type == "cpu":
+        return torch.float32
+    return q.dtype
+
+
+@torch.library.custom_op("hilbert_fx::dilated_attention", mutates_args=())
+def dilated_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[int],
+                         dilation_rates: list[int], hilbert: bool, is_causal: bool,
+                         attn_mask: Optional[Tensor], dropout_p: float, seed: Optional[Tensor],
+                         scale: float, lowering: str) -> tuple[Tensor, Tensor]:
+    """Returns (out [B, Hq, N, Dv] in q's dtype, lse [B, Hq, N] in float32 or wider)."""
+    plans = branch_plans(q.shape[2], segment_lengths, dilation_rates, hilbert, q.device)
+    dtype = _compute_dtype(q, lowering)
+    out, lse = _lowering_module(lowering).forward(
+        q.to(dtype), k.to(dtype), v.to(dtype), plans, is_causal=is_causal, attn_mask=attn_mask,
+        scale=scale, dropout_p=dropout_p, seed=seed)
+    return out.to(q.dtype), lse
+
+
+@dilated_attention_op.register_fake
+def _(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p, seed,
+      scale, lowering):
+    b, h, n, _ = q.shape
+    out = q.new_empty(b, h, n, v.shape[-1])
+    lse = q.new_empty(b, h, n, dtype=torch.promote_types(q.dtype, torch.float32))
+    return out, lse
+
+
+@torch.library.custom_op("hilbert_fx::dilated_attention_backward", mutates_args=())
+def dilated_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                                  lse: Tensor, segment_lengths: list[int],
+                                  dilation_rates: list[int], hilbert: bool, is_causal: bool,
+                                  attn_mask: Optional[Tensor], dropout_p: float,
+                                  seed: Optional[Tensor], scale: float,
+                                  lowering: str) -> tuple[Tensor, Tensor, Tensor]:
+    plans = branch_plans(q.shape[2], segment_lengths, dilation_rates, hilbert, q.device)
+    dtype = _compute_dtype(q, lowering)
+    dq, dk, dv = _lowering_module(lowering).backward(
+        dout.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), out.to(dtype), lse, plans,
+        is_causal=is_causal, attn_mask=attn_mask, scale=scale, dropout_p=dropout_p, seed=seed)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@dilated_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
+      dropout_p, seed, scale, lowering):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p, seed, \
+        scale, lowering = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, seed)
+    ctx.config = (segment_lengths, dilation_rates, hilbert, is_causal, dropout_p, scale, lowering)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, attn_mask, seed = ctx.saved_tensors
+    segment_lengths, dilation_rates, hilbert, is_causal, dropout_p, scale, lowering = ctx.config
+    dq, dk, dv = dilated_attention_backward_op(
+        dout.contiguous(), q, k, v, out, lse, segment_lengths, dilation_rates, hilbert, is_causal,
+        attn_mask, dropout_p, seed, scale, lowering)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+dilated_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation_rates, *,
+                      hilbert: bool = False, is_causal: bool = False,
+                      attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
+                      scale: Optional[float] = None, enable_gqa: bool = False,
+                      lowering: str = "auto", mesh=None) -> Tensor:
+    """LongNet dilated attention as SPEC section 2 defines it; arguments as in SDPA."""
+    segment_lengths, dilation_rates = check_branches(segment_lengths, dilation_rates)
+    check_lowering(lowering)
+    check_tensors(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
+                  enable_gqa=enable_gqa, scale=scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    resolved = resolve_lowering(lowering, q.device)
+    seed = new_seed(q.device) if dropout_p > 0.0 else None
+    if mesh is not None:
+        from .ring import ring_dilated_attention
+        return ring_dilated_attention(q, k, v, segment_lengths, dilation_rates, hilbert=hilbert,
+                                      is_causal=is_causal, attn_mask=attn_mask,
+                                      dropout_p=dropout_p, seed=seed, scale=scale,
+                                      lowering=resolved, mesh=mesh)
+    out, _ = torch.ops.hilbert_fx.dilated_attention(
+        q, k, v, list(segment_lengths), list(dilation_rates), bool(hilbert), bool(is_causal),
+        attn_mask, float(dropout_p), seed, scale, resolved)
+    return out

@@ -1,0 +1,199 @@
+"""The SDPA lowering: gather each branch's selected sets into dense blocks, run the SDPA kernels
+that return the log-sum-exp (lowering/block_attention.py), scatter back, merge by log-sum-exp.
+
+Per branch the gathered blocks hold B * H * N / r rows of w / r keys each: memory grows as
+N * w / r, never N^2, unless the user passed an N x N mask.
+
+Segments before the last are always complete, so they run as one batch with no mask. The last
+segment may be cut short by N; its selected sets then differ in size from head to head, and it
+runs as a second batch padded to the largest set, with the padding masked out (causal attention
+needs no mask for it: padding sits after every real position in the ascending order).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import block_attention
+from .dropout import keep_mask
+from .plans import BranchPlan
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Block:
+    """One batch of selected sets: positions [H, S, L] (padded with N) and its validity."""
+    positions: torch.Tensor
+    valid: torch.Tensor
+    padded: bool
+
+
+def blocks_of(plan: BranchPlan, num_heads: int) -> list[Block]:
+    positions = plan.for_heads(num_heads)
+    counts = plan.counts.index_select(
+        0, torch.arange(num_heads, device=positions.device) % plan.dilation_rate)
+    n = plan.seq_len
+    if bool((counts[:, -1] == plan.set_size).all()):
+        return [Block(positions, positions < n, False)]
+    blocks = []
+    if plan.num_segments > 1:
+        full = positions[:, :-1]
+        blocks.append(Block(full, full < n, False))
+    last = positions[:, -1:, : int(counts[:, -1].max())]
+    blocks.append(Block(last, last < n, True))
+    return blocks
+
+
+def _gather(x: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [B, Hx, N, D] -> [B, H * S, L, D]: rows positions[h] of head heads[h]."""
+    n = x.shape[2]
+    h, s, length = positions.shape
+    rows = x[:, heads.view(h, 1, 1), positions.clamp(max=n - 1)]
+    return rows.reshape(x.shape[0], h * s, length, x.shape[-1])
+
+
+def _gather_mask(attn_mask: torch.Tensor, batch: int, num_heads: int, n: int,
+                 positions: torch.Tensor) -> torch.Tensor:
+    """The user's mask (broadcastable to [B, H, N, N]) on each selected set: [B, H, S, L, L]."""
+    m = attn_mask.expand(batch, num_heads, n, n)
+    idx = positions.clamp(max=n - 1)
+    h = torch.arange(num_heads, device=positions.device).view(num_heads, 1, 1, 1)
+    return m[:, h, idx.unsqueeze(-1), idx.unsqueeze(-2)]
+
+
+@dataclass
+class BlockInputs:
+    """Everything the kernels need for one block, built the same way forward and backward."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    bias: torch.Tensor | None
+    keep: torch.Tensor | None
+    has_key: torch.Tensor | None  # [B or 1, H*S, L] rows with at least one allowed key
+
+
+def _block_inputs(q, k, v, block: Block, *, attn_mask, is_causal, dropout_p, seed) -> BlockInputs:
+    b, hq, n, _ = q.shape
+    hkv = k.shape[1]
+    h, s, length = block.positions.shape
+    heads = torch.arange(hq, device=q.device)
+    kv_heads = heads // (hq // hkv)
+    qg = _gather(q, heads, block.positions)
+    kg = _gather(k, kv_heads, block.positions)
+    vg = _gather(v, kv_heads, block.positions)
+
+    allowed = None  # bool, broadcastable to [B, H, S, L, L]
+    bias = None
+    if attn_mask is not None:
+        m = _gather_mask(attn_mask, b, hq, n, block.positions)
+        if m.dtype == torch.bool:
+            allowed = m
+        else:
+            bias = m
+    if block.padded and not is_causal:
+        key_ok = block.valid.view(1, h, s, 1, length)
+        allowed = key_ok if allowed is None else allowed & key_ok
+    if allowed is not None:
+        fill = torch.zeros((), dtype=q.dtype, device=q.device)
+        pad = torch.full((), NEG_INF, dtype=q.dtype, device=q.device)
+        extra = torch.where(allowed, fill, pad)
+        bias = extra if bias is None else bias.to(q.dtype) + extra
+    has_key = None
+    if bias is not None:
+        bias = bias.expand(bias.shape[0], h, s, length, length).reshape(-1, h * s, length, length)
+        allowed_keys = bias != NEG_INF
+        if is_causal:  # a row whose allowed keys all lie in its future has none either
+            allowed_keys = allowed_keys & torch.ones(
+                length, length, dtype=torch.bool, device=q.device).tril()
+        has_key = allowed_keys.any(-1)
+
+    keep = None
+    if dropout_p > 0.0:
+        pos = block.positions
+        keep = keep_mask(seed, torch.arange(b, device=q.device).view(b, 1, 1, 1, 1),
+                         heads.view(1, h, 1, 1, 1), pos.view(1, h, s, length, 1),
+                         pos.view(1, h, s, 1, length), dropout_p)
+        keep = keep.reshape(b, h * s, length, length)
+    return BlockInputs(qg, kg, vg, bias, keep, has_key)
+
+
+def _scatter(buffer: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor,
+             values: torch.Tensor, accumulate: bool = False) -> None:
+    """buffer [B, Hx, N + 1, ...] gets values [B, H * S, L, ...] at (heads[h], positions[h]).
+
+    Padding positions equal N and land in the spare last row, which callers drop."""
+    h, s, length = positions.shape
+    vals = values.reshape(values.shape[0], h, s, length, *values.shape[3:])
+    batch = torch.arange(buffer.shape[0], device=buffer.device).view(-1, 1, 1, 1)
+    buffer.index_put_((batch, heads.view(h, 1, 1), positions), vals, accumulate=accumulate)
+
+
+def merge_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Branches are merged in float32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, scale: float,
+            dropout_p: float = 0.0, seed=None):
+    """Returns (out [B, Hq, N, Dv] in q.dtype, lse [B, Hq, N] in float32, float64 for float64)."""
+    b, hq, n, _ = q.shape
+    heads = torch.arange(hq, device=q.device)
+    wide = merge_dtype(q.dtype)
+    acc = torch.zeros(b, hq, n + 1, v.shape[-1], dtype=wide, device=q.device)
+    run_lse = torch.full((b, hq, n + 1), NEG_INF, dtype=wide, device=q.device)
+    for plan in plans:
+        out_b = torch.zeros_like(acc)
+        lse_b = torch.full_like(run_lse, NEG_INF)
+        for block in blocks_of(plan, hq):
+            x = _block_inputs(q, k, v, block, attn_mask=attn_mask, is_causal=is_causal,
+                              dropout_p=dropout_p, seed=seed)
+            o, lse = block_attention.forward(x.q, x.k, x.v, bias=x.bias, is_causal=is_causal,
+                                             scale=scale, keep=x.keep, dropout_p=dropout_p)
+            lse = lse.to(wide)
+            if x.has_key is not None:
+                lse = lse.masked_fill(~x.has_key, NEG_INF)
+                o = o.masked_fill(~x.has_key.unsqueeze(-1), 0.0)
+            _scatter(out_b, heads, block.positions, o.to(wide))
+            _scatter(lse_b, heads, block.positions, lse)
+        new_lse = torch.logaddexp(run_lse, lse_b)
+        base = new_lse.masked_fill(new_lse == NEG_INF, 0.0)
+        acc = acc * torch.exp(run_lse - base).unsqueeze(-1) + out_b * torch.exp(lse_b - base).unsqueeze(-1)
+        run_lse = new_lse
+    return acc[:, :, :n].to(q.dtype), run_lse[:, :, :n].contiguous()
+
+
+def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: bool, attn_mask,
+             scale: float, dropout_p: float = 0.0, seed=None):
+    """Returns (dq, dk, dv) given the op's output and its float32 lse."""
+    b, hq, n, _ = q.shape
+    hkv = k.shape[1]
+    heads = torch.arange(hq, device=q.device)
+    kv_heads = heads // (hq // hkv)
+    # A row with no key anywhere has lse = -inf; +inf makes every probability of it 0.
+    lse_pad = torch.nn.functional.pad(lse.masked_fill(lse == NEG_INF, float("inf")), (0, 1))
+    wide = merge_dtype(q.dtype)
+    dq = torch.zeros(b, hq, n + 1, q.shape[-1], dtype=wide, device=q.device)
+    dk = torch.zeros(b, hkv, n + 1, k.shape[-1], dtype=wide, device=q.device)
+    dv = torch.zeros(b, hkv, n + 1, v.shape[-1], dtype=wide, device=q.device)
+    for plan in plans:
+        for block in blocks_of(plan, hq):
+            x = _block_inputs(q, k, v, block, attn_mask=attn_mask, is_causal=is_causal,
+                              dropout_p=dropout_p, seed=seed)
+            h, s, length = block.positions.shape
+            pos = block.positions
+            dog = _gather(dout, heads, pos)
+            og = _gather(out, heads, pos)
+            lg = lse_pad[:, heads.view(h, 1, 1), pos].reshape(b, h * s, length)
+            if block.padded:  # padded query rows read real rows through the clamp: silence them
+                valid = block.valid.reshape(1, h * s, length)
+                lg = lg.masked_fill(~valid, float("inf"))
+                dog = dog.masked_fill(~valid.unsqueeze(-1), 0.0)
+            gq, gk, gv = block_attention.backward(
+                dog, x.q, x.k, x.v, og, lg, bias=x.bias, is_causal=is_causal, scale=scale,
+                keep=x.keep, dropout_p=dropout_p)
+            _scatter(dq, heads, pos, gq.to(wide), accumulate=True)
+            _scatter(dk, kv_heads, pos, gk.to(wide), accumulate=True)
+            _scatter(dv, kv_heads, pos, gv.to(wide), accumulate=True)
+    return (dq[:, :, :n].to(q.dtype), dk[:, :, :n].to(k.dtype), dv[:, :, :n].to(v.dtype))
