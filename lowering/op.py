@@ -45,7 +45,7 @@ def dilated_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[
     out, lse = _lowering_module(lowering).forward(
         q.to(dtype), k.to(dtype), v.to(dtype), plans, is_causal=is_causal, attn_mask=attn_mask,
         scale=scale, dropout_p=dropout_p, seed=seed)
-    return out.to(q.dtype), lse
+    return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
 @dilated_attention_op.register_fake
@@ -69,13 +69,13 @@ def dilated_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
     dq, dk, dv = _lowering_module(lowering).backward(
         dout.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), out.to(dtype), lse, plans,
         is_causal=is_causal, attn_mask=attn_mask, scale=scale, dropout_p=dropout_p, seed=seed)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
 
 
 @dilated_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
       dropout_p, seed, scale, lowering):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):

@@ -1,0 +1,14 @@
+"""hilbert_fx: a torch.compile backend that rewrites self-attention into LongNet dilated
+attention with an optional per-segment Hilbert-curve order (see SPEC.md).
+
+    model = torch.compile(model, backend="hilbert_dilated")
+"""
+from lowering import dilated_attention, hilbert_order
+
+from .backend import HilbertBackend, backend, hilbert_dilated
+from .config import DilatedConfig
+from .explain import Report, SiteReport, explain
+from .scope import dilate
+
+__all__ = ["backend", "dilate", "dilated_attention", "explain", "hilbert_dilated",
+           "hilbert_order", "DilatedConfig", "HilbertBackend", "Report", "SiteReport"]

@@ -1,0 +1,66 @@
+"""`explain`: run a model under the pass and report every attention site it found."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from .backend import HilbertBackend
+
+
+@dataclass(frozen=True)
+class SiteReport:
+    kind: str  # "sdpa" | "mha" | "manual"
+    module: str | None  # qualified name of the innermost module
+    action: str  # "rewritten" | "skipped"
+    reason: str  # why skipped; "" when rewritten
+    lowering: str  # "triton" | "sdpa" | ""
+    config: str  # the configuration used, "" when skipped
+
+
+@dataclass
+class Report:
+    sites: list
+    graph_before: list
+    graph_after: list
+
+    def __str__(self) -> str:
+        header = ("kind", "module", "action", "lowering", "reason / configuration")
+        rows = [header] + [(s.kind, s.module or "-", s.action, s.lowering or "-",
+                            s.reason or s.config) for s in self.sites]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = []
+        for i, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths) + "  " + "-" * len(header[4]))
+        rewritten = sum(s.action == "rewritten" for s in self.sites)
+        lines.append(f"{len(self.sites)} attention sites in {len(self.graph_before)} graphs: "
+                     f"{rewritten} rewritten, {len(self.sites) - rewritten} skipped")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def explain(model, *args, backend=None, **kwargs) -> Report:
+    """Compile `model` with the pass (not Inductor), run it once on the arguments, report."""
+    base = backend if backend is not None else HilbertBackend()
+    if not isinstance(base, HilbertBackend):
+        raise ValueError(f"backend must come from hilbert_fx.backend(), got {base!r}")
+    recorder = copy.copy(base)
+    recorder.records = []
+    recorder.keep_records = True
+    recorder.compile_with_inductor = False
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, backend=recorder)(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    sites = []
+    for record in recorder.records:
+        for s in record.sites:
+            config = s.config.describe() if s.config is not None else ""
+            sites.append(SiteReport(s.kind, s.module, s.action, s.reason, s.lowering, config))
+    return Report(sites, [r.graph_before for r in recorder.records],
+                  [r.graph_after for r in recorder.records])

@@ -1,0 +1,83 @@
+"""Rewriting found sites into torch.ops.hilbert_fx.dilated_attention.
+
+Which sites (SPEC section 1): if any module in the graph carries `dilate`, only sites inside such
+a module, with the innermost one's configuration; otherwise every rewritable site, with the
+backend's. The lowering is resolved here, at compile time, so the rewritten graph shows it.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from lowering import resolve_lowering
+from lowering.dropout import new_seed
+
+from .config import DilatedConfig
+from .scope import config_of
+from .sites import Site, example
+
+OP = torch.ops.hilbert_fx.dilated_attention.default
+
+
+def graph_is_scoped(graph: fx.Graph) -> bool:
+    """Does any module of this graph carry `dilate`?"""
+    for node in graph.nodes:
+        for _, module_type in (node.meta.get("nn_module_stack") or {}).values():
+            if isinstance(module_type, type) and config_of(module_type) is not None:
+                return True
+    return False
+
+
+def site_config(site: Site, default: DilatedConfig, scoped: bool) -> Optional[DilatedConfig]:
+    if not scoped:
+        return default
+    for module_type in reversed(site.module_types):
+        config = config_of(module_type)
+        if config is not None:
+            return config
+    return None
+
+
+def rewrite_site(graph: fx.Graph, site: Site, config: DilatedConfig) -> fx.Node:
+    q = example(site.q)
+    lowering = resolve_lowering(config.lowering, q.device)
+    scale = site.scale if site.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    with graph.inserting_before(site.output):
+        seed = None
+        if site.dropout_p > 0.0:
+            seed = graph.call_function(new_seed, (q.device,))
+        call = graph.call_function(OP, (
+            site.q, site.k, site.v, list(config.segment_lengths), list(config.dilation_rates),
+            config.hilbert, bool(site.is_causal), site.attn_mask, float(site.dropout_p), seed,
+            float(scale), lowering))
+        out = graph.call_function(operator.getitem, (call, 0))
+        if site.adapt_output is not None:
+            out = site.adapt_output(graph, out)
+    site.output.replace_all_uses_with(out)
+    graph.erase_node(site.output)
+    site.action, site.reason, site.lowering, site.config = "rewritten", "", lowering, config
+    return out
+
+
+def rewrite(gm: fx.GraphModule, sites: list[Site], default: DilatedConfig) -> list[Site]:
+    """Rewrite what may be rewritten, mark the rest skipped; returns the sites."""
+    scoped = graph_is_scoped(gm.graph)
+    for site in sites:
+        if not site.reason:
+            config = site_config(site, default, scoped)
+            if config is None:
+                site.reason = "outside every module marked with hilbert_fx.dilate"
+            elif config.mesh is not None:
+                site.reason = "mesh= is not supported yet"
+            else:
+                rewrite_site(gm.graph, site, config)
+                continue
+        site.action = "skipped"
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return sites

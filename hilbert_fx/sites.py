@@ -1,0 +1,62 @@
+"""What the detectors find: one attention site of an FX graph, in canonical form."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.fx as fx
+
+KINDS = ("sdpa", "mha", "manual")
+
+
+@dataclass
+class Site:
+    """An attention out = softmax(scale * q k^T + mask) v found in a graph.
+
+    `output` is the node whose value is the attention output, [B, H, N, Dv]; q, k, v are nodes of
+    shape [B, H, N, D] (k and v with Hkv heads) that the rewrite feeds to the op, and `region` the
+    nodes that only this attention uses (they die with it). `reason` is set when it cannot be
+    rewritten.
+    """
+    kind: str
+    output: fx.Node
+    q: Optional[fx.Node] = None
+    k: Optional[fx.Node] = None
+    v: Optional[fx.Node] = None
+    attn_mask: Optional[fx.Node] = None
+    is_causal: bool = False
+    scale: Optional[float] = None
+    dropout_p: float = 0.0
+    enable_gqa: bool = False
+    module: Optional[str] = None
+    module_types: list = field(default_factory=list)
+    reason: str = ""
+    action: str = ""
+    lowering: str = ""
+    config: object = None
+    # Rewrites of shape the rewrite applies around the op: a callable (graph, op_output) -> node
+    # that turns the op's [B, H, N, Dv] output into what `output` produced, or None.
+    adapt_output: object = None
+
+
+_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+
+
+def module_stack(node: fx.Node) -> tuple[Optional[str], list[type]]:
+    """(qualified name of the innermost module, module classes outermost first) of a node."""
+    stack = node.meta.get("nn_module_stack") or {}
+    entries = list(stack.values())
+    if not entries:
+        return None, []
+    types = [t for _, t in entries]
+    name = entries[-1][0]
+    name = _ROOT.sub("", name) if isinstance(name, str) else None
+    return (name or None), [t for t in types if isinstance(t, type)]
+
+
+def example(node) -> Optional[object]:
+    """The fake tensor (or value) recorded for a node, if any."""
+    if not isinstance(node, fx.Node):
+        return node
+    return node.meta.get("example_value", node.meta.get("val"))
