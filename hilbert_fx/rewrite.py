@@ -50,10 +50,16 @@ def rewrite_site(graph: fx.Graph, site: Site, config: DilatedConfig) -> fx.Node:
         seed = None
         if site.dropout_p > 0.0:
             seed = graph.call_function(new_seed, (q.device,))
-        call = graph.call_function(OP, (
-            site.q, site.k, site.v, list(config.segment_lengths), list(config.dilation_rates),
-            config.hilbert, bool(site.is_causal), site.attn_mask, float(site.dropout_p), seed,
-            float(scale), lowering))
+        args = (site.q, site.k, site.v, list(config.segment_lengths), list(config.dilation_rates),
+                config.hilbert, bool(site.is_causal), site.attn_mask, float(site.dropout_p), seed,
+                float(scale), lowering)
+        if config.mesh is None:
+            call = graph.call_function(OP, args)
+        else:  # the ring op: its collectives run over the mesh's process group
+            from lowering import ring  # noqa: F401  (registers the op)
+            group_name = config.mesh.get_group().group_name
+            call = graph.call_function(torch.ops.hilbert_fx.ring_dilated_attention.default,
+                                       args + (group_name,))
         out = graph.call_function(operator.getitem, (call, 0))
         if site.adapt_output is not None:
             out = site.adapt_output(graph, out)
@@ -71,8 +77,6 @@ def rewrite(gm: fx.GraphModule, sites: list[Site], default: DilatedConfig) -> li
             config = site_config(site, default, scoped)
             if config is None:
                 site.reason = "outside every module marked with hilbert_fx.dilate"
-            elif config.mesh is not None:
-                site.reason = "mesh= is not supported yet"
             else:
                 rewrite_site(gm.graph, site, config)
                 continue
