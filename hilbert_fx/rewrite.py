@@ -17,14 +17,16 @@ from lowering import resolve_lowering
 from lowering.dropout import new_seed
 
 from .config import DilatedConfig
-from .scope import config_of
+from .scope import compiled_roots, config_of
 from .sites import Site, example
 
 OP = torch.ops.hilbert_fx.dilated_attention.default
 
 
-def graph_is_scoped(graph: fx.Graph) -> bool:
-    """Does any module of this graph carry `dilate`?"""
+def graph_is_scoped(graph: fx.Graph, roots) -> bool:
+    """Does any module of the compiled model (or, failing that, of this graph) carry `dilate`?"""
+    if any(config_of(type(m)) is not None for root in roots for m in root.modules()):
+        return True
     for node in graph.nodes:
         for _, module_type in (node.meta.get("nn_module_stack") or {}).values():
             if isinstance(module_type, type) and config_of(module_type) is not None:
@@ -71,8 +73,10 @@ def rewrite_site(graph: fx.Graph, site: Site, config: DilatedConfig) -> fx.Node:
 
 def rewrite(gm: fx.GraphModule, sites: list[Site], default: DilatedConfig) -> list[Site]:
     """Rewrite what may be rewritten, mark the rest skipped; returns the sites."""
-    scoped = graph_is_scoped(gm.graph)
+    roots = compiled_roots()
+    scoped = graph_is_scoped(gm.graph, roots)
     for site in sites:
+        site.module_types = [type(m) for m in roots] + list(site.module_types)
         if not site.reason:
             config = site_config(site, default, scoped)
             if config is None:

@@ -40,3 +40,20 @@ def dilate(target=None, *, segment_lengths, dilation_rates, hilbert: bool = True
 
 def config_of(module_type: type) -> Optional[DilatedConfig]:
     return getattr(module_type, CONFIG_ATTR, None)
+
+
+def compiled_roots() -> list[nn.Module]:
+    """The modules among the locals of the frame Dynamo is compiling (the compiled model itself).
+
+    Dynamo's record of module stacks leaves out the root module, so `dilate` on the whole model,
+    and "does any module of the compiled model carry dilate", need the frame's own locals. They
+    are only there while a backend runs inside Dynamo; elsewhere this returns [].
+    """
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+    except Exception:  # noqa: BLE001 - outside Dynamo, or another torch version's internals
+        return []
+    if tx is None:
+        return []
+    return [v for v in getattr(tx, "f_locals", {}).values() if isinstance(v, nn.Module)]
