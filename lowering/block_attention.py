@@ -111,6 +111,9 @@ def backward(dout, q, k, v, out, lse, *, bias, is_causal, scale, keep=None, drop
         padded = math.ceil(q.shape[2] / 32) * 32
         lse = F.pad(lse.float(), (0, padded - q.shape[2]))
         seed = torch.empty((), dtype=torch.long, device=q.device)
+        # The kernel that computes rowsum(dO * O) itself assumes the layout its forward writes,
+        # [B, L, G, D] contiguous (seen on H100 with bf16: wrong dq, dk otherwise).
+        out, dout = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (out, dout))
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, b, out, lse, seed, seed, 0.0, [True, True, True, False], is_causal,
             scale=scale)

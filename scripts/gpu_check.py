@@ -1,0 +1,119 @@
+"""Check the op's lowerings on a GPU against the float64 reference, forward and backward.
+
+    PYTHONPATH=.:tests python scripts/gpu_check.py --lowerings sdpa triton --out $OUT
+
+Fresh random inputs per case; relative error ||x - ref|| / ||ref|| of out, dq, dk, dv.
+Prints a table and writes it to OUT/gpu_check.txt.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from reference import reference_dilated_attention  # noqa: E402
+
+import lowering  # noqa: E402
+from lowering import block_attention  # noqa: E402
+from lowering.dropout import keep_mask  # noqa: E402
+
+CASES = [
+    # name, B, Hq, Hkv, N, D, branches, hilbert, causal, mask
+    ("two-branch", 2, 4, 4, 300, 64, ((64, 1), (128, 4)), False, False, None),
+    ("full segments", 2, 4, 4, 256, 64, ((64, 1), (128, 4)), True, False, None),
+    ("hilbert causal", 1, 4, 4, 333, 64, ((48, 1), (96, 2), (200, 4)), True, True, None),
+    ("N < w, GQA", 2, 8, 2, 150, 128, ((256, 2), (512, 8)), True, False, None),
+    ("bool mask", 1, 4, 4, 257, 64, ((64, 2), (256, 4)), True, False, "bool"),
+    ("float mask", 1, 2, 2, 200, 32, ((50, 1), (100, 5)), False, False, "float"),
+    ("D=256 causal", 1, 2, 2, 190, 256, ((64, 1), (128, 2)), True, True, None),
+    ("dropout", 1, 2, 2, 130, 64, ((32, 1), (64, 2)), True, True, "dropout"),
+]
+
+
+def rel(x, ref):
+    return ((x.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def run_case(case, lowering_name, dtype, device):
+    name, b, hq, hkv, n, d, branches, hilbert, causal, mask_kind = case
+    w = [x[0] for x in branches]
+    r = [x[1] for x in branches]
+    q = torch.randn(b, hq, n, d, device=device, dtype=dtype)
+    k = torch.randn(b, hkv, n, d, device=device, dtype=dtype)
+    v = torch.randn(b, hkv, n, d, device=device, dtype=dtype)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(b, 1, n, n, device=device) > 0.3
+        mask[0, 0, 5] = False  # a query with no key
+    elif mask_kind == "float":
+        mask = torch.randn(n, n, device=device, dtype=dtype)
+    dropout_p = 0.3 if mask_kind == "dropout" else 0.0
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    torch.manual_seed(7)
+    out = lowering.dilated_attention(qs, ks, vs, w, r, hilbert=hilbert, is_causal=causal,
+                                     attn_mask=mask if mask_kind in ("bool", "float") else None,
+                                     dropout_p=dropout_p, enable_gqa=hkv != hq, lowering=lowering_name)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    keep = None
+    if dropout_p:
+        torch.manual_seed(7)
+        seed = lowering.dropout.new_seed(torch.device("cpu"))
+        ar = torch.arange(n)
+        keep = keep_mask(seed, torch.arange(b).view(b, 1, 1, 1), torch.arange(hq).view(1, hq, 1, 1),
+                         ar.view(1, 1, n, 1), ar.view(1, 1, 1, n), dropout_p)
+    qr, kr, vr = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
+    ref = reference_dilated_attention(
+        qr, kr, vr, w, r, hilbert=hilbert, is_causal=causal,
+        attn_mask=mask.cpu() if mask is not None and mask_kind != "float" else
+        (mask.double().cpu() if mask is not None else None),
+        enable_gqa=hkv != hq, dropout_p=dropout_p, dropout_keep=keep)
+    ref.backward(dout.double().cpu())
+    errs = [rel(out.detach(), ref.detach()), rel(qs.grad, qr.grad), rel(ks.grad, kr.grad),
+            rel(vs.grad, vr.grad)]
+    finite = all(torch.isfinite(t).all().item() for t in (out, qs.grad, ks.grad, vs.grad))
+    return errs, finite
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--lowerings", nargs="+", default=["sdpa", "triton"])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    device = args.device
+    torch.manual_seed(0)
+    name = torch.cuda.get_device_properties(0).name if device == "cuda" else "cpu"
+    lines = [f"device: {name}, torch {torch.__version__}",
+             f"block kernels of the sdpa lowering: fp32 -> "
+             f"{block_attention.kernel_for(torch.device('cuda'), torch.float32, 64, False, False)}, "
+             f"bf16 -> {block_attention.kernel_for(torch.device('cuda'), torch.bfloat16, 64, False, False)}, "
+             f"bf16+mask -> {block_attention.kernel_for(torch.device('cuda'), torch.bfloat16, 64, True, False)}",
+             f"{'lowering':8} {'dtype':9} {'case':16} {'out':>9} {'dq':>9} {'dk':>9} {'dv':>9}  ok"]
+    worst = {}
+    for lw, dt, case in itertools.product(args.lowerings, args.dtypes, CASES):
+        dtype = getattr(torch, dt)
+        try:
+            errs, finite = run_case(case, lw, dtype, device)
+        except Exception as e:  # noqa: BLE001 - report and go on to the next case
+            lines.append(f"{lw:8} {dt:9} {case[0]:16} ERROR {type(e).__name__}: {str(e)[:200]}")
+            continue
+        tol = 2e-3 if dt == "float32" else 2e-2
+        ok = finite and max(errs) < tol
+        worst[(lw, dt)] = max(worst.get((lw, dt), 0.0), max(errs))
+        lines.append(f"{lw:8} {dt:9} {case[0]:16} " + " ".join(f"{e:9.2e}" for e in errs)
+                     + f"  {'PASS' if ok else 'FAIL'}")
+    lines.append("worst relative error: " + ", ".join(f"{k[0]}/{k[1]} {v:.2e}" for k, v in worst.items()))
+    text = "\n".join(lines)
+    print(text)
+    with open(os.path.join(args.out, "gpu_check.txt"), "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
