@@ -1,0 +1,365 @@
+"""hilbert_fx.dilated_attention against the independent float64 reference (SPEC section 2)."""
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+if not torch.cuda.is_available():  # Triton can only run interpreted here (SPEC section 3)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import hilbert_fx  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from reference import reference_dilated_attention  # noqa: E402
+
+LOWERINGS = ["sdpa", "triton"]
+
+
+def op(q, k, v, segs, rates, lowering="sdpa", **kw):
+    return hilbert_fx.dilated_attention(q, k, v, list(segs), list(rates), lowering=lowering, **kw)
+
+
+def require_lowering(lowering):
+    """Skip cleanly when the Triton lowering cannot run here."""
+    if lowering != "triton":
+        return
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        pytest.skip(f"triton not importable: {e!r}")
+    x = torch.randn(1, 1, 4, 4)
+    try:
+        op(x, x, x, [2], [1], lowering="triton")
+    except NotImplementedError as e:
+        pytest.skip(f"lowering='triton' not implemented here: {e}")
+
+
+def assert_matches(got, ref, what, rel=1e-5, atol=1e-5, rtol=1e-5, scale=None):
+    """||got-ref|| <= rel*||ref|| (+ slack) and element-wise allclose.
+
+    The absolute slack is atol times `scale`, the size of the numbers involved (default: the
+    largest |ref| entry, at least 1). Float32 rounding is relative to the terms summed, not to
+    the result: dq is exactly 0 when every query has one key (counted twice), yet the op's
+    merge of two branches leaves ~1e-6-size noise there; an entry near 0 of a gradient whose
+    entries reach 10 carries rounding of the size of the big ones.
+    """
+    assert got.shape == ref.shape, what
+    assert torch.isfinite(got).all(), f"{what}: non-finite values"
+    got = got.detach().double()
+    ref = ref.detach().double()
+    if scale is None:
+        scale = max(1.0, ref.abs().max().item()) if ref.numel() else 1.0
+    err, nrm = (got - ref).norm().item(), ref.norm().item()
+    assert err <= rel * nrm + atol * scale * math.sqrt(ref.numel()), \
+        f"{what}: ||got-ref||={err:.3g}, ||ref||={nrm:.3g}"
+    torch.testing.assert_close(got, ref, atol=atol * scale, rtol=rtol,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def common_scale(*tensors):
+    """The size of the numbers of one problem: max |entry| over its reference results."""
+    return max([1.0] + [t.detach().abs().max().item() for t in tensors if t.numel()])
+
+
+def run_both(cfg, dtype=torch.float32, lowering="sdpa", grads=True):
+    """Draw inputs from cfg, run op and reference; return (outputs, grads) of each."""
+    torch.manual_seed(cfg["seed"])
+    B, Hq, Hkv, N, D = cfg["B"], cfg["Hq"], cfg["Hkv"], cfg["N"], cfg["D"]
+    q = torch.randn(B, Hq, N, D, dtype=dtype, requires_grad=grads)
+    k = torch.randn(B, Hkv, N, D, dtype=dtype, requires_grad=grads)
+    v = torch.randn(B, Hkv, N, D, dtype=dtype, requires_grad=grads)
+    kw = dict(hilbert=cfg["hilbert"], is_causal=cfg["causal"], scale=cfg["scale"],
+              enable_gqa=cfg["gqa"])
+    mask = cfg["mask"]
+    if mask is not None:
+        kind, shape, full_rows = mask
+        shape = [{"B": B, "H": Hq, "N": N, "1": 1}[c] for c in shape]
+        if kind == "bool":
+            m = torch.rand(shape) > 0.3
+            if full_rows:
+                m[..., N // 2, :] = False
+        else:
+            m = 2 * torch.randn(shape)
+            m[torch.rand(shape) < 0.25] = float("-inf")
+            if full_rows:
+                m[..., N // 2, :] = float("-inf")
+            m = m.to(dtype)
+        kw["attn_mask"] = m
+    out = op(q, k, v, cfg["segs"], cfg["rates"], lowering=lowering, **kw)
+    # the reference sees the same (rounded) values, as float64 leaves of its own
+    q64, k64, v64 = (t.detach().double().requires_grad_(grads) for t in (q, k, v))
+    ref = reference_dilated_attention(q64, k64, v64, cfg["segs"], cfg["rates"], **kw)
+    if not grads:
+        return out, ref, None, None
+    g = torch.randn(out.shape, dtype=torch.float64).to(out.dtype)  # the same g for both
+    g_out = torch.autograd.grad(out, (q, k, v), g)
+    g_ref = torch.autograd.grad(ref, (q64, k64, v64), g.double())
+    return out, ref, g_out, g_ref
+
+
+@st.composite
+def configs(draw, max_n=40, max_heads=4, max_branches=3):
+    branches = []
+    for _ in range(draw(st.integers(1, max_branches))):
+        r = draw(st.sampled_from([1, 1, 2, 3, 4]))
+        w = r * draw(st.integers(1, 9)) if draw(st.integers(0, 4)) else r * 16  # w <= 64
+        branches.append((w, r))
+    Hq = draw(st.integers(1, max_heads))
+    gqa = draw(st.booleans())
+    Hkv = draw(st.sampled_from([d for d in range(1, Hq + 1) if Hq % d == 0])) if gqa else Hq
+    masking = draw(st.sampled_from(["none", "causal", "bool", "float"]))
+    mask = None
+    if masking in ("bool", "float"):
+        shape = draw(st.sampled_from(["NN", "B1NN", "1HNN", "BHNN"]))
+        mask = (masking, shape, draw(st.booleans()))
+    return dict(
+        segs=[w for w, _ in branches], rates=[r for _, r in branches],
+        N=draw(st.sampled_from(range(1, max_n + 1))),  # uniform: integers() favours 1
+        B=draw(st.integers(1, 2)), Hq=Hq, Hkv=Hkv, gqa=gqa,
+        D=draw(st.sampled_from([4, 8, 16])), hilbert=draw(st.booleans()),
+        causal=masking == "causal", mask=mask,
+        scale=draw(st.sampled_from([None, None, 0.1, 0.7, 1.3])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@pytest.mark.parametrize("lowering", LOWERINGS)
+def test_matches_reference(lowering):
+    require_lowering(lowering)
+    tiny = lowering == "triton"  # the interpreter is slow: few, small examples
+
+    @settings(max_examples=10 if tiny else 150, deadline=None, derandomize=tiny,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(configs(max_n=12 if tiny else 40, max_heads=2 if tiny else 4,
+                   max_branches=2 if tiny else 3))
+    def check(cfg):
+        try:
+            out, ref, g_out, g_ref = run_both(cfg, lowering=lowering)
+        except NotImplementedError as e:
+            if not tiny:
+                raise
+            pytest.skip(f"lowering='triton' does not support {cfg}: {e}")
+        assert out.dtype == torch.float32
+        assert_matches(out, ref, f"out {cfg}")
+        sc = common_scale(ref, *g_ref)
+        for name, a, b in zip("qkv", g_out, g_ref):
+            assert_matches(a, b, f"d{name} {cfg}", scale=sc)
+
+    check()
+
+
+def _cfg(**kw):
+    base = dict(segs=[4, 8], rates=[1, 2], N=13, B=2, Hq=4, Hkv=2, gqa=True, D=8, hilbert=True,
+                causal=False, mask=None, scale=None, seed=0)
+    base.update(kw)
+    return base
+
+
+# A few fixed configurations that hypothesis might only reach by luck.
+FIXED = [
+    _cfg(),
+    _cfg(N=5, segs=[8], rates=[2]),                                 # N < w
+    _cfg(N=37, segs=[6, 12, 24], rates=[1, 2, 3], causal=True),      # non-power-of-two w
+    _cfg(N=31, segs=[9, 30], rates=[3, 5], mask=("float", "BHNN", True)),
+    _cfg(N=20, segs=[16, 64], rates=[4, 8], mask=("bool", "B1NN", True), Hkv=1),
+    _cfg(N=17, segs=[1, 3], rates=[1, 3], hilbert=False, scale=0.25, gqa=False, Hkv=4),
+]
+
+
+@pytest.mark.parametrize("cfg", FIXED, ids=lambda c: f"N{c['N']}-{c['segs']}-{c['rates']}")
+def test_fixed_configs(cfg):
+    out, ref, g_out, g_ref = run_both(cfg)
+    assert_matches(out, ref, "out")
+    sc = common_scale(ref, *g_ref)
+    for name, a, b in zip("qkv", g_out, g_ref):
+        assert_matches(a, b, f"d{name}", scale=sc)
+
+
+@pytest.mark.parametrize("cfg", FIXED[:4], ids=lambda c: f"N{c['N']}-{c['segs']}-{c['rates']}")
+def test_float64(cfg):
+    out, ref, g_out, g_ref = run_both(cfg, dtype=torch.float64)
+    assert out.dtype == torch.float64
+    assert_matches(out, ref, "out", rel=1e-10, atol=1e-10, rtol=1e-10)
+    for name, a, b in zip("qkv", g_out, g_ref):
+        assert_matches(a, b, f"d{name}", rel=1e-10, atol=1e-10, rtol=1e-10)
+
+
+def test_float64_gradcheck():
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 7, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 7, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 7, 4, dtype=torch.float64, requires_grad=True)
+    f = lambda q, k, v: op(q, k, v, [2, 4], [1, 2], hilbert=True, enable_gqa=True)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+@pytest.mark.parametrize("cfg", FIXED[:4], ids=lambda c: f"N{c['N']}-{c['segs']}-{c['rates']}")
+def test_bfloat16(cfg):
+    out, ref, g_out, g_ref = run_both(cfg, dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    # reference sees the same bf16-rounded inputs; error is the op's bf16 output rounding etc.
+    assert_matches(out, ref, "out", rel=2e-2, atol=2e-2, rtol=2e-2)
+    for name, a, b in zip("qkv", g_out, g_ref):
+        assert a.dtype == torch.bfloat16
+        assert_matches(a, b, f"d{name}", rel=5e-2, atol=5e-2, rtol=5e-2)
+
+
+# ------------------------------------------------------------- identity: one branch (w >= N, 1)
+
+@pytest.mark.parametrize("lowering", LOWERINGS)
+@pytest.mark.parametrize("hilbert", [False, True])
+@pytest.mark.parametrize("w", [11, 16, 50])
+@pytest.mark.parametrize("case", ["plain", "causal", "bool", "float", "gqa", "scale"])
+def test_identity_is_sdpa(lowering, hilbert, w, case):
+    require_lowering(lowering)
+    torch.manual_seed(7)
+    B, Hq, Hkv, N, D = (2, 4, 4, 11, 8) if lowering == "sdpa" else (1, 2, 2, 11, 8)
+    kw = {}
+    if case == "gqa":
+        Hkv, kw["enable_gqa"] = Hq // 2, True
+    q = torch.randn(B, Hq, N, D, requires_grad=True)
+    k = torch.randn(B, Hkv, N, D, requires_grad=True)
+    v = torch.randn(B, Hkv, N, D, requires_grad=True)
+    if case == "causal":
+        kw["is_causal"] = True
+    elif case == "bool":
+        kw["attn_mask"] = torch.rand(B, 1, N, N) > 0.3
+    elif case == "float":
+        m = torch.randn(1, Hq, N, N)
+        m[0, 0, 1, 2:] = float("-inf")
+        kw["attn_mask"] = m
+    elif case == "scale":
+        kw["scale"] = 0.3
+    out = op(q, k, v, [w], [1], lowering=lowering, hilbert=hilbert, **kw)
+    exp = F.scaled_dot_product_attention(q, k, v, **kw)
+    torch.testing.assert_close(out, exp, atol=1e-6, rtol=1e-5)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(exp, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------- queries without keys
+
+@pytest.mark.parametrize("lowering", LOWERINGS)
+@pytest.mark.parametrize("hilbert", [False, True])
+def test_queries_without_keys_are_zero(lowering, hilbert):
+    require_lowering(lowering)
+    torch.manual_seed(3)
+    N = 10
+    q, k, v = (torch.randn(1, 4, N, 8, requires_grad=True) for _ in range(3))
+    m = torch.ones(N, N, dtype=torch.bool)
+    m[2] = False                                   # a row masked out entirely
+    out = op(q, k, v, [4], [4], hilbert=hilbert, attn_mask=m, lowering=lowering)
+    ref = reference_dilated_attention(q, k, v, [4], [4], hilbert=hilbert, attn_mask=m)
+    empty = (ref == 0).all(-1)                     # (4,4): each head selects 1 of 4 -> most empty
+    assert empty.sum() >= 4 * (N - 3)
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    assert_matches(out, ref, "out")
+    out.backward(torch.randn_like(out))
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+
+
+@pytest.mark.parametrize("lowering", LOWERINGS)
+def test_float_mask_minus_inf_rows_are_zero(lowering):
+    require_lowering(lowering)
+    torch.manual_seed(4)
+    N = 9
+    q, k, v = (torch.randn(2, 2, N, 4, requires_grad=True) for _ in range(3))
+    m = torch.randn(2, 1, N, N)
+    m[:, :, 0] = float("-inf")                     # row 0 masked entirely
+    m[1, :, 5, :8] = float("-inf")                 # row 5's segments in (4,1) and (8,2) lie
+    out = op(q, k, v, [4, 8], [1, 2], attn_mask=m, lowering=lowering)  # in [0, 8): no keys left
+    ref = reference_dilated_attention(q, k, v, [4, 8], [1, 2], attn_mask=m)
+    assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
+    assert torch.equal(out[1, :, 5], torch.zeros_like(out[1, :, 5]))
+    assert_matches(out, ref, "out")
+    out.backward(torch.randn_like(out))
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+
+
+# ------------------------------------------------------------- dropout
+
+def _dropout_inputs(dtype=torch.float32, N=8, D=4):
+    torch.manual_seed(11)
+    return [torch.randn(1, 2, N, D, dtype=dtype, requires_grad=True) for _ in range(3)]
+
+
+SEGS, RATES = [4, 8], [1, 2]
+
+
+def test_dropout_zero_changes_nothing():
+    q, k, v = _dropout_inputs()
+    a = op(q, k, v, SEGS, RATES, hilbert=True)
+    b = op(q, k, v, SEGS, RATES, hilbert=True, dropout_p=0.0)
+    assert torch.equal(a, b)
+
+
+def test_dropout_deterministic_given_seed():
+    q, k, v = _dropout_inputs()
+    base = op(q, k, v, SEGS, RATES)
+    outs = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        outs.append(op(q, k, v, SEGS, RATES, dropout_p=0.3))
+    assert torch.equal(outs[0], outs[1])
+    assert not torch.equal(outs[0], outs[2])
+    assert not torch.equal(outs[0], base)
+
+
+def test_dropout_scales_probabilities_keeps_denominator():
+    # v = identity rows (D = N): out[p, :] is then the attention row itself. Each entry must be
+    # (kept copies) * P[p, p'] / (C[p, p'] * (1 - p_drop)) with 0 <= kept copies <= C[p, p'],
+    # where P is the no-dropout probability and C the branch count (SPEC: dropout as in SDPA).
+    from reference import count_matrix
+    N, p_drop = 8, 0.3
+    q, k, _ = _dropout_inputs(N=N, D=N)
+    v = torch.eye(N).expand(1, 2, N, N)
+    P = op(q, k, v, SEGS, RATES).detach().double()
+    C = count_matrix(N, 2, SEGS, RATES, False)[None]
+    seen_drop = False
+    for seed in range(5):
+        torch.manual_seed(seed)
+        out = op(q, k, v, SEGS, RATES, dropout_p=p_drop).detach().double()
+        unit = torch.where(C > 0, P / C.clamp(min=1) / (1 - p_drop), torch.ones_like(P))
+        copies = out / unit
+        assert torch.allclose(copies, copies.round(), atol=1e-4), copies
+        assert ((copies.round() >= 0) & (copies.round() <= C)).all()
+        assert (out[C == 0] == 0).all()
+        seen_drop |= bool((copies.round() < C).any())
+    assert seen_drop
+
+
+def test_dropout_mean_approaches_no_dropout():
+    q, k, v = _dropout_inputs()
+    p_drop, n = 0.3, 600
+    base = op(q, k, v, SEGS, RATES).detach()
+    acc = torch.zeros_like(base)
+    for seed in range(n):
+        torch.manual_seed(seed)
+        acc += op(q, k, v, SEGS, RATES, dropout_p=p_drop).detach()
+    # Bound on one sample's variance, per element: p/(1-p) * sum_j P[p,j]^2 v[j]^2 (dropping
+    # whole probabilities; dropping per branch copy only lowers it). P from the reference.
+    v64 = v.detach().double()
+    ones = torch.eye(8, dtype=torch.float64).expand(1, 2, 8, 8)
+    P = reference_dilated_attention(q.detach(), k.detach(), ones, SEGS, RATES)
+    var = p_drop / (1 - p_drop) * (P ** 2) @ (v64 ** 2)
+    sigma = (var / n).sqrt().max().item()
+    assert (acc / n - base).abs().max().item() < 6 * sigma + 1e-4
+
+
+def test_dropout_backward_matches_forward():
+    q, k, v = (t.detach().double().requires_grad_() for t in _dropout_inputs(N=6, D=3))
+
+    def f(q, k, v):
+        torch.manual_seed(1234)  # the same dropout mask at every evaluation
+        return op(q, k, v, [2, 4], [1, 2], hilbert=True, dropout_p=0.3)
+
+    assert not torch.equal(f(q, k, v), op(q, k, v, [2, 4], [1, 2], hilbert=True))
+    assert torch.autograd.gradcheck(f, (q, k, v))
