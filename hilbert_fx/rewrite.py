@@ -17,6 +17,7 @@ from lowering import resolve_lowering
 from lowering.dropout import new_seed
 
 from .config import DilatedConfig
+from .logs import log, log_site
 from .scope import compiled_roots, config_of
 from .sites import Site, example
 
@@ -88,4 +89,7 @@ def rewrite(gm: fx.GraphModule, sites: list[Site], default: DilatedConfig) -> li
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
+    for site in sites:
+        log_site(site)
+    log.debug("rewritten graph:\n%s", gm.code)
     return sites
