@@ -57,7 +57,7 @@ def plot_pattern(segment_lengths, dilation_rates, seq_len: int, path: str = "pat
                               interpolation="nearest")
             fig.colorbar(shown, ax=ax, fraction=0.046, label="branches selecting the key "
                          "(-2: the query, -1: no token)")
-            ax.set_title(f"hilbert={hilbert}: keys of query {q} on the {image_width}-wide image",
+            ax.set_title(f"hilbert={hilbert}: keys of query {q}, {image_width} wide",
                          fontsize=9)
     branches = ", ".join(f"({w},{r})" for w, r in zip(segment_lengths, dilation_rates))
     fig.suptitle(f"dilated attention, N={seq_len}, branches {branches}", fontsize=10)
