@@ -1,0 +1,526 @@
+"""The @triton.jit kernels of the Triton lowering; lowering/triton_lowering.py launches them.
+
+FlashAttention-2 kernels that read q, k, v where they lie (no gathered copies), one branch
+(w, r) of dilated attention per launch. Notation:
+
+- A *set* is what query head h selects in segment j of a branch: the positions of offset
+  o = h % r, ascending. Member m of the set lies at position j*w + o + m*r when STRIDED (the
+  identity order: rows are reached through strides), else at Pos[o, j, m] (the Hilbert plan).
+  The set has Cnt[o, j] members; members past that (tile padding) read position 0, a real row,
+  so that loads never need a row mask, and their scores are set to -inf where it matters.
+- Scores are kept in base 2: s = log2(e) * (scale * q.k + float mask), so exp2 is the exponential.
+- A tile is EDGE when it may hold padded members or cross the causal diagonal; only EDGE tiles
+  pay for the structural masks. Causal attention over an ascending set is a lower triangle
+  over member indices, so tiles above the diagonal are never visited.
+- Dropout keeps entry (b, h, p, p') when lowbias32 hashes of (seed, b, h, p, p') say so:
+  exactly lowering/dropout.py's keep_mask, in uint32 arithmetic.
+"""
+import triton
+import triton.language as tl
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _mix32(x):
+    """The 'lowbias32' integer finaliser on uint32 (lowering/dropout.py's _mix32)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _query_hash(Seed, b, h, pos_q):
+    """The part of keep_mask's hash fixed by (seed, batch, head, query position)."""
+    seed = tl.load(Seed).to(tl.uint32)
+    x = _mix32(seed ^ _mix32(((b << 16) + h).to(tl.uint32)))
+    return _mix32(x ^ pos_q.to(tl.uint32))
+
+
+@triton.jit
+def _keep(qhash, pos_k, threshold):
+    """Keep bits of entries (query, key): qhash and pos_k already shaped to broadcast."""
+    x = _mix32(qhash ^ pos_k.to(tl.uint32))
+    return (x >> 8) >= threshold
+
+
+@triton.jit
+def _set_positions(Pos, set_base, stride_pm, first, R, idx, count, STRIDED: tl.constexpr):
+    """Positions (int32) of members idx of a set; members at or past `count` read position 0."""
+    valid = idx < count
+    if STRIDED:
+        pos = first + idx * R
+    else:
+        pos = tl.load(Pos + set_base + idx * stride_pm, mask=valid, other=0).to(tl.int32)
+    return tl.where(valid, pos, 0)
+
+
+@triton.jit
+def _load_rows(base, pos, stride_n, stride_d, row_ok, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASK_ROWS: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows `pos` of one head of q, k, v or dO: a [len(pos), BLOCK_D] tile, zero past DIM."""
+    offs_d = tl.arange(0, BLOCK_D)
+    ptrs = base + pos.to(tl.int64)[:, None] * stride_n + offs_d[None, :] * stride_d
+    if MASK_ROWS:
+        x = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < DIM), other=0.0)
+    elif DIM == BLOCK_D:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=offs_d[None, :] < DIM, other=0.0)
+    if UPCAST:  # the interpreter multiplies bfloat16 as raw integers in tl.dot: go through float32
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _masked_scores(s, M_base, pos_q, pos_k, stride_mq, stride_mk, MASK_KIND: tl.constexpr):
+    """Applies the user's mask to base-2 scores s[q, k] (pos_q, pos_k shaped to broadcast):
+    MASK_KIND 1 is boolean (nonzero = allowed), 2 is additive float."""
+    if MASK_KIND == 1:
+        allowed = tl.load(M_base + pos_q.to(tl.int64) * stride_mq + pos_k.to(tl.int64) * stride_mk)
+        s = tl.where(allowed != 0, s, float("-inf"))
+    elif MASK_KIND == 2:
+        bias = tl.load(M_base + pos_q.to(tl.int64) * stride_mq + pos_k.to(tl.int64) * stride_mk)
+        s = s + bias.to(tl.float32) * 1.4426950408889634
+    return s
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, pos_m, offs_m, qhash, lo, hi,
+               K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+               Pos, set_base, stride_pm, first, R, count, M_base, stride_mq, stride_mk,
+               qk_scale, keep_threshold,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
+               CAUSAL: tl.constexpr, STRIDED: tl.constexpr, MASK_KIND: tl.constexpr,
+               DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax of one query tile over the key members [lo, hi) of its set."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        pos_n = _set_positions(Pos, set_base, stride_pm, first, R, offs_n, count, STRIDED)
+        key_ok = offs_n < count
+        k = _load_rows(K_base, pos_n, stride_kn, stride_kd, key_ok, HEAD_DIM, BLOCK_D, EDGE, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = _masked_scores(s, M_base, pos_m[:, None], pos_n[None, :], stride_mq, stride_mk,
+                           MASK_KIND)
+        if EDGE:
+            ok = key_ok[None, :]
+            if CAUSAL:
+                ok = ok & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if DROPOUT:  # the denominator counts every probability, the numerator only kept ones
+            p = tl.where(_keep(qhash[:, None], pos_n[None, :], keep_threshold), p, 0.0)
+        v = _load_rows(V_base, pos_n, stride_vn, stride_vd, key_ok, HEAD_DIM_V, BLOCK_DV, EDGE,
+                       UPCAST)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, Out, Acc, Lse, Pos, Cnt, Mask, Seed,
+                stride_qb, stride_qh, stride_qn, stride_qd,
+                stride_kb, stride_kh, stride_kn, stride_kd,
+                stride_vb, stride_vh, stride_vn, stride_vd,
+                stride_mb, stride_mh, stride_mq, stride_mk,
+                stride_po, stride_ps, stride_pm, stride_co, stride_cs,
+                H, N, GROUP, SEG, R,
+                qk_scale, keep_threshold, drop_scale,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                STRIDED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+                DROPOUT: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One branch, one program per (query tile, batch * head, segment).
+
+    Computes the branch's attention for the tile's query rows and merges it by log-sum-exp
+    into the running result of the branches launched before: (Acc float32, Lse), read unless
+    FIRST. A LAST branch selects every position (r == 1) and writes the final Out in q's dtype.
+    Within one launch every (batch, head, position) belongs to one program: no races.
+    """
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # the longest rows first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    seg = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    off = h % R
+    count = tl.load(Cnt + off * stride_co + seg * stride_cs).to(tl.int32)
+    start_m = pid_m * BLOCK_M
+    if start_m >= count:
+        return
+    first = seg * SEG + off
+    set_base = off * stride_po + seg * stride_ps
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < count
+    pos_m = _set_positions(Pos, set_base, stride_pm, first, R, offs_m, count, STRIDED)
+
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    g64 = (h // GROUP).to(tl.int64)
+    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, pos_m, stride_qn, stride_qd, row_ok,
+                   HEAD_DIM, BLOCK_D, False, UPCAST)
+    K_base = K + b64 * stride_kb + g64 * stride_kh
+    V_base = V + b64 * stride_vb + g64 * stride_vh
+    M_base = Mask + b64 * stride_mb + h64 * stride_mh
+    if DROPOUT:
+        qhash = _query_hash(Seed, b, h, pos_m)
+    else:
+        qhash = pos_m.to(tl.uint32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if CAUSAL:  # key tiles left of the query tile in full, then the diagonal ones masked
+        lo = start_m
+        hi = tl.minimum(start_m + BLOCK_M, count)
+    else:  # full key tiles, then the set's last, partial one
+        lo = count // BLOCK_N * BLOCK_N
+        hi = count
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, q, pos_m, offs_m, qhash, 0, lo, K_base, V_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, Pos, set_base, stride_pm, first, R, count,
+        M_base, stride_mq, stride_mk, qk_scale, keep_threshold,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, CAUSAL, STRIDED, MASK_KIND,
+        DROPOUT, UPCAST, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, q, pos_m, offs_m, qhash, lo, hi, K_base, V_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, Pos, set_base, stride_pm, first, R, count,
+        M_base, stride_mq, stride_mk, qk_scale, keep_threshold,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, CAUSAL, STRIDED, MASK_KIND,
+        DROPOUT, UPCAST, PRECISION)
+
+    # This branch's result: o (normalised) and its log-sum-exp, -inf for rows with no key.
+    empty = l_i == 0.0
+    l_use = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_use)) * 0.6931471805599453)
+    o = acc * (drop_scale / l_use)[:, None]
+
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = bh.to(tl.int64) * N + pos_m  # Out, Acc: contiguous [B, H, N, HEAD_DIM_V]; Lse: [B, H, N]
+    ptr_off = rows[:, None] * HEAD_DIM_V + offs_dv[None, :]
+    out_ok = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    if not FIRST:  # merge with the branches before, by log-sum-exp in float32
+        old = tl.load(Lse + rows, mask=row_ok, other=float("-inf"))
+        top = tl.maximum(old, lse)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w_old = tl.exp(old - top)
+        w_new = tl.exp(lse - top)
+        total = w_old + w_new
+        none = total == 0.0  # neither has a key
+        total = tl.where(none, 1.0, total)
+        lse = tl.where(none, float("-inf"), top + tl.log(total))
+        prev = tl.load(Acc + ptr_off, mask=out_ok & (old > float("-inf"))[:, None], other=0.0)
+        o = prev * (w_old / total)[:, None] + o * (w_new / total)[:, None]
+    if LAST:
+        tl.store(Out + ptr_off, o.to(Out.dtype.element_ty), mask=out_ok)
+    else:
+        tl.store(Acc + ptr_off, o, mask=out_ok)
+    tl.store(Lse + rows, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _bwd_preprocess(Out, DO, Lse, Delta, Lse2,
+                    stride_ob, stride_oh, stride_on, stride_od,
+                    stride_db, stride_dh, stride_dn, stride_dd,
+                    H, N, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Delta = rowsum(dO * O) with the final O, and the lse in base 2 with +inf for rows that have
+    no key (so that every probability of theirs is exp2(s - inf) = 0)."""
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < N
+    ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM_V)
+    o = tl.load(Out + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_on
+                + offs_d[None, :] * stride_od, mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * stride_db + h * stride_dh + offs_m.to(tl.int64)[:, None] * stride_dn
+                 + offs_d[None, :] * stride_dd, mask=ok, other=0.0).to(tl.float32)
+    rows = bh.to(tl.int64) * N + offs_m
+    tl.store(Delta + rows, tl.sum(o * do, 1), mask=row_ok)
+    lse = tl.load(Lse + rows, mask=row_ok, other=0.0)
+    tl.store(Lse2 + rows, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634),
+             mask=row_ok)
+
+
+@triton.jit
+def _bwd_dkdv_tiles(dk, dv, k, v, pos_n, offs_n, key_ok, lo, hi,
+                    Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
+                    Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
+                    M_base, stride_mq, stride_mk, Seed, b, h,
+                    qk_scale, scale, keep_threshold, drop_scale,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, EDGE: tl.constexpr,
+                    CAUSAL: tl.constexpr, STRIDED: tl.constexpr, MASK_KIND: tl.constexpr,
+                    DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, UPCAST: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """dK, dV of one key tile from the query members [lo, hi) of one head (transposed tiles)."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        pos_m = _set_positions(Pos, set_base, stride_pm, first, R, offs_m, count, STRIDED)
+        q_ok = offs_m < count
+        q = _load_rows(Q_base, pos_m, stride_qn, stride_qd, q_ok, HEAD_DIM, BLOCK_D, EDGE, UPCAST)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [keys, queries]
+        s_t = _masked_scores(s_t, M_base, pos_m[None, :], pos_n[:, None], stride_mq, stride_mk,
+                             MASK_KIND)
+        if EDGE:
+            ok = q_ok[None, :]
+            if CAUSAL:
+                ok = ok & (offs_m[None, :] >= offs_n[:, None])
+            s_t = tl.where(ok, s_t, float("-inf"))
+        p_t = tl.math.exp2(s_t - tl.load(Lse2_base + pos_m)[None, :])
+        do = _load_rows(DO_base, pos_m, stride_don, stride_dod, q_ok, HEAD_DIM_V, BLOCK_DV, EDGE,
+                        UPCAST)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        if DROPOUT:
+            keep_t = _keep(_query_hash(Seed, b, h, pos_m)[None, :], pos_n[:, None], keep_threshold)
+            pd_t = tl.where(keep_t, p_t * drop_scale, 0.0)
+            dp_t = tl.where(keep_t, dp_t * drop_scale, 0.0)
+        else:
+            pd_t = p_t
+        dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=PRECISION)
+        ds_t = p_t * (dp_t - tl.load(Delta_base + pos_m)[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
+        if ATOMIC_DQ:
+            ds_t = tl.where(key_ok[:, None], ds_t, 0.0)
+            dq = tl.dot(tl.trans(ds_t).to(k.dtype), k, input_precision=PRECISION) * scale
+            offs_d = tl.arange(0, BLOCK_D)
+            tl.atomic_add(DQ_base + pos_m.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], dq,
+                          mask=q_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, Lse2, Delta, Pos, Cnt, Mask, Seed,
+                     stride_qb, stride_qh, stride_qn, stride_qd,
+                     stride_kb, stride_kh, stride_kn, stride_kd,
+                     stride_vb, stride_vh, stride_vn, stride_vd,
+                     stride_dob, stride_doh, stride_don, stride_dod,
+                     stride_mb, stride_mh, stride_mq, stride_mk,
+                     stride_po, stride_ps, stride_pm, stride_co, stride_cs,
+                     H, HKV, N, GROUP, NUM_CLASSES, SEG, R,
+                     qk_scale, scale, keep_threshold, drop_scale,
+                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     STRIDED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+                     DROPOUT: tl.constexpr, FIRST: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One branch, one program per (key tile, batch * kv head * offset class, segment).
+
+    The query heads of kv head g = h // GROUP fall into classes by their offset h % R; a program
+    takes one class, loops over its heads and their query tiles, and adds dK, dV of its key rows
+    into DK, DV (float32; written without reading when FIRST). Key rows of different programs
+    never overlap within a launch: no atomics, a deterministic sum.
+    """
+    pid_n = tl.program_id(0)
+    pid = tl.program_id(1)
+    seg = tl.program_id(2)
+    cls = pid % NUM_CLASSES
+    bg = pid // NUM_CLASSES
+    b = bg // HKV
+    g = bg % HKV
+    h_first = g * GROUP + cls
+    off = h_first % R
+    count = tl.load(Cnt + off * stride_co + seg * stride_cs).to(tl.int32)
+    start_n = pid_n * BLOCK_N
+    if start_n >= count:
+        return
+    first = seg * SEG + off
+    set_base = off * stride_po + seg * stride_ps
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    key_ok = offs_n < count
+    pos_n = _set_positions(Pos, set_base, stride_pm, first, R, offs_n, count, STRIDED)
+    b64 = b.to(tl.int64)
+    g64 = g.to(tl.int64)
+    k = _load_rows(K + b64 * stride_kb + g64 * stride_kh, pos_n, stride_kn, stride_kd, key_ok,
+                   HEAD_DIM, BLOCK_D, False, UPCAST)
+    v = _load_rows(V + b64 * stride_vb + g64 * stride_vh, pos_n, stride_vn, stride_vd, key_ok,
+                   HEAD_DIM_V, BLOCK_DV, False, UPCAST)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    if CAUSAL:  # queries from the key tile's diagonal on: the diagonal tiles masked
+        lo = start_n + BLOCK_N
+    else:
+        lo = 0
+    full = count // BLOCK_M * BLOCK_M
+    num_heads = (GROUP - cls + R - 1) // R
+    for i in range(0, num_heads):
+        h = h_first + i * R
+        bh = b * H + h
+        h64 = h.to(tl.int64)
+        Q_base = Q + b64 * stride_qb + h64 * stride_qh
+        DO_base = DO + b64 * stride_dob + h64 * stride_doh
+        DQ_base = DQ + bh.to(tl.int64) * N * HEAD_DIM
+        Lse2_base = Lse2 + bh.to(tl.int64) * N
+        Delta_base = Delta + bh.to(tl.int64) * N
+        M_base = Mask + b64 * stride_mb + h64 * stride_mh
+        if CAUSAL:
+            dk, dv = _bwd_dkdv_tiles(
+                dk, dv, k, v, pos_n, offs_n, key_ok, start_n, tl.minimum(lo, count),
+                Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
+                Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
+                M_base, stride_mq, stride_mk, Seed, b, h, qk_scale, scale, keep_threshold,
+                drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL,
+                STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
+        dk, dv = _bwd_dkdv_tiles(
+            dk, dv, k, v, pos_n, offs_n, key_ok, lo, full,
+            Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
+            Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
+            M_base, stride_mq, stride_mk, Seed, b, h, qk_scale, scale, keep_threshold,
+            drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False, CAUSAL,
+            STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
+        dk, dv = _bwd_dkdv_tiles(
+            dk, dv, k, v, pos_n, offs_n, key_ok, tl.maximum(full, lo), count,
+            Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
+            Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
+            M_base, stride_mq, stride_mk, Seed, b, h, qk_scale, scale, keep_threshold,
+            drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL,
+            STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
+    dk = dk * scale
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = bg.to(tl.int64) * N + pos_n  # DK, DV: contiguous float32 [B, HKV, N, *]
+    dk_ptrs = DK + rows[:, None] * HEAD_DIM + offs_d[None, :]
+    dv_ptrs = DV + rows[:, None] * HEAD_DIM_V + offs_dv[None, :]
+    dk_ok = key_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    dv_ok = key_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    if not FIRST:
+        dk += tl.load(dk_ptrs, mask=dk_ok, other=0.0)
+        dv += tl.load(dv_ptrs, mask=dv_ok, other=0.0)
+    tl.store(dk_ptrs, dk, mask=dk_ok)
+    tl.store(dv_ptrs, dv, mask=dv_ok)
+
+
+@triton.jit
+def _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, qhash, lo, hi,
+                  K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                  Pos, set_base, stride_pm, first, R, count, M_base, stride_mq, stride_mk,
+                  qk_scale, keep_threshold, drop_scale,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
+                  CAUSAL: tl.constexpr, STRIDED: tl.constexpr, MASK_KIND: tl.constexpr,
+                  DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """dQ of one query tile from the key members [lo, hi) of its set."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        pos_n = _set_positions(Pos, set_base, stride_pm, first, R, offs_n, count, STRIDED)
+        key_ok = offs_n < count
+        k = _load_rows(K_base, pos_n, stride_kn, stride_kd, key_ok, HEAD_DIM, BLOCK_D, EDGE, UPCAST)
+        v = _load_rows(V_base, pos_n, stride_vn, stride_vd, key_ok, HEAD_DIM_V, BLOCK_DV, EDGE,
+                       UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = _masked_scores(s, M_base, pos_m[:, None], pos_n[None, :], stride_mq, stride_mk,
+                           MASK_KIND)
+        if EDGE:
+            ok = key_ok[None, :]
+            if CAUSAL:
+                ok = ok & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(ok, s, float("-inf"))
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if DROPOUT:
+            keep = _keep(qhash[:, None], pos_n[None, :], keep_threshold)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, DQ, Lse2, Delta, Pos, Cnt, Mask, Seed,
+                   stride_qb, stride_qh, stride_qn, stride_qd,
+                   stride_kb, stride_kh, stride_kn, stride_kd,
+                   stride_vb, stride_vh, stride_vn, stride_vd,
+                   stride_dob, stride_doh, stride_don, stride_dod,
+                   stride_mb, stride_mh, stride_mq, stride_mk,
+                   stride_po, stride_ps, stride_pm, stride_co, stride_cs,
+                H, N, GROUP, SEG, R,
+                   qk_scale, scale, keep_threshold, drop_scale,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   STRIDED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+                   DROPOUT: tl.constexpr, FIRST: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One branch, one program per (query tile, batch * head, segment): adds dQ of its rows into
+    DQ (float32; written without reading when FIRST)."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    seg = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    off = h % R
+    count = tl.load(Cnt + off * stride_co + seg * stride_cs).to(tl.int32)
+    start_m = pid_m * BLOCK_M
+    if start_m >= count:
+        return
+    first = seg * SEG + off
+    set_base = off * stride_po + seg * stride_ps
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < count
+    pos_m = _set_positions(Pos, set_base, stride_pm, first, R, offs_m, count, STRIDED)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    g64 = (h // GROUP).to(tl.int64)
+    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, pos_m, stride_qn, stride_qd, row_ok,
+                   HEAD_DIM, BLOCK_D, False, UPCAST)
+    do = _load_rows(DO + b64 * stride_dob + h64 * stride_doh, pos_m, stride_don, stride_dod,
+                    row_ok, HEAD_DIM_V, BLOCK_DV, False, UPCAST)
+    rows = bh.to(tl.int64) * N + pos_m
+    lse2 = tl.load(Lse2 + rows)
+    delta = tl.load(Delta + rows)
+    K_base = K + b64 * stride_kb + g64 * stride_kh
+    V_base = V + b64 * stride_vb + g64 * stride_vh
+    M_base = Mask + b64 * stride_mb + h64 * stride_mh
+    if DROPOUT:
+        qhash = _query_hash(Seed, b, h, pos_m)
+    else:
+        qhash = pos_m.to(tl.uint32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if CAUSAL:
+        lo = start_m
+        hi = tl.minimum(start_m + BLOCK_M, count)
+    else:
+        lo = count // BLOCK_N * BLOCK_N
+        hi = count
+    dq = _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, qhash, 0, lo,
+                       K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                       Pos, set_base, stride_pm, first, R, count, M_base, stride_mq, stride_mk,
+                       qk_scale, keep_threshold, drop_scale,
+                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, CAUSAL, STRIDED,
+                       MASK_KIND, DROPOUT, UPCAST, PRECISION)
+    dq = _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, qhash, lo, hi,
+                       K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                       Pos, set_base, stride_pm, first, R, count, M_base, stride_mq, stride_mk,
+                       qk_scale, keep_threshold, drop_scale,
+                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, CAUSAL, STRIDED,
+                       MASK_KIND, DROPOUT, UPCAST, PRECISION)
+    dq = dq * scale
+    offs_d = tl.arange(0, BLOCK_D)
+    dq_ptrs = DQ + rows[:, None] * HEAD_DIM + offs_d[None, :]  # contiguous float32 [B, H, N, D]
+    dq_ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    if not FIRST:
+        dq += tl.load(dq_ptrs, mask=dq_ok, other=0.0)
+    tl.store(dq_ptrs, dq, mask=dq_ok)
