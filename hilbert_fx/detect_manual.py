@@ -1,8 +1,708 @@
-"""Hand-written attention sites (filled in by the matcher work of issue 3)."""
+"""Hand-written attention: softmax(scale * q k^T + mask) v, however it is spelled.
+
+One normalising matcher, not a list of patterns. From each softmax over the last dimension it
+walks up the producers of the scores and down to the product with v, reading every node as one
+of a few canonical steps:
+
+    scores side:  cast | scale (x * c, c * x, x / c) | additive mask (x + m, x - m) |
+                  boolean mask (masked_fill(m, -inf), where(m, x, -inf)) | the score product
+                  (matmul, @, bmm, einsum, baddbmm with its alpha and beta*input)
+    probs side:   cast | dropout | the product with v (matmul, @, bmm, einsum)
+
+In-place steps (x.mul_(c), x += m, masked_fill_) are read as the value they leave behind. The
+score product fixes q and k: k^T may be k.transpose, permute, .mT or einsum subscripts; heads
+folded into the batch (3-D bmm) are unfolded with the head count read from an upstream reshape;
+repeat_kv'd keys and values become GQA. Masks are kept as terms (sign and scale tracked), so
+that causal triangles become is_causal and the rest one attn_mask (detect.resolve_masks).
+
+A softmax whose scores are not a product of two activations, or whose probabilities reach no
+product with another tensor (classifier heads, MoE routers), is not attention and not reported.
+One that is attention but cannot be expressed (a softcap, weights returned) is reported, skipped,
+with the reason. Nothing is changed in the graph here: canonical nodes are inserted by
+Site.adapt_inputs / adapt_output when the site is rewritten.
+"""
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
 import torch.fx as fx
+import torch.nn.functional as F
+
+from .dataflow import DataFlow, is_inplace
+from .detect import FORBIDDEN, MaskTerm, build_mask, mask_shape, resolve_masks, unrepeat_kv
+from .sites import Site, example
+
+_aten = torch.ops.aten
 
 
-def find_manual_sites(graph: fx.Graph) -> list:
-    return []
+def _targets(*names):
+    out = set()
+    for name in names:
+        obj = torch
+        try:
+            for part in name.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        out.add(obj)
+    return out
+
+
+_FUNCTIONS = {}
+for _name, _targets_of in {
+    "matmul": _targets("matmul", "Tensor.matmul", "Tensor.__matmul__", "ops.aten.matmul.default") | {operator.matmul},
+    "bmm": _targets("bmm", "Tensor.bmm", "ops.aten.bmm.default"),
+    "einsum": _targets("einsum", "functional.einsum", "ops.aten.einsum.default"),
+    "baddbmm": _targets("baddbmm", "Tensor.baddbmm", "ops.aten.baddbmm.default"),
+    "mul": _targets("mul", "multiply", "Tensor.mul", "ops.aten.mul.Tensor", "ops.aten.mul.Scalar") | {operator.mul, operator.imul},
+    "div": _targets("div", "divide", "true_divide", "Tensor.div", "ops.aten.div.Tensor", "ops.aten.div.Scalar") | {operator.truediv, operator.itruediv},
+    "add": _targets("add", "Tensor.add", "ops.aten.add.Tensor") | {operator.add, operator.iadd},
+    "sub": _targets("sub", "subtract", "Tensor.sub", "ops.aten.sub.Tensor") | {operator.sub, operator.isub},
+    "where": _targets("where", "ops.aten.where.self"),
+    "masked_fill": _targets("masked_fill", "ops.aten.masked_fill.Scalar", "ops.aten.masked_fill.Tensor"),
+    "softmax": _targets("softmax", "_softmax", "special.softmax", "ops.aten._softmax.default", "ops.aten.softmax.int") | {F.softmax},
+    "dropout": _targets("dropout", "ops.aten.dropout.default") | {F.dropout},
+    "transpose": _targets("transpose", "swapaxes", "swapdims", "ops.aten.transpose.int"),
+    "permute": _targets("permute", "ops.aten.permute.default"),
+    "cast": _targets("clone", "ops.aten.clone.default", "ops.aten._to_copy.default"),
+}.items():
+    for _t in _targets_of:
+        _FUNCTIONS[_t] = _name
+
+_METHODS = {
+    "matmul": "matmul", "__matmul__": "matmul", "bmm": "bmm", "baddbmm": "baddbmm",
+    "mul": "mul", "mul_": "mul", "multiply": "mul", "div": "div", "div_": "div",
+    "true_divide": "div", "divide": "div", "add": "add", "add_": "add", "sub": "sub", "sub_": "sub",
+    "masked_fill": "masked_fill", "masked_fill_": "masked_fill", "softmax": "softmax",
+    "to": "cast", "float": "cast", "half": "cast", "double": "cast", "bfloat16": "cast",
+    "type": "cast", "type_as": "cast", "contiguous": "cast", "clone": "cast",
+    "transpose": "transpose", "swapaxes": "swapaxes", "swapdims": "transpose", "permute": "permute",
+    "where": "where_method",
+}
+
+
+def op_name(node) -> Optional[str]:
+    """The canonical step a node performs, or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_method":
+        name = _METHODS.get(node.target)
+        return "transpose" if name == "swapaxes" else name
+    if node.op == "call_function":
+        if node.target is getattr and len(node.args) == 2:
+            return {"mT": "mT", "mH": "mT", "T": "T"}.get(node.args[1])
+        try:
+            return _FUNCTIONS.get(node.target)
+        except TypeError:  # unhashable target
+            return None
+    if node.op == "call_module":
+        module = node.graph.owning_module.get_submodule(node.target) if node.graph.owning_module else None
+        if isinstance(module, torch.nn.Softmax):
+            return "softmax"
+        if isinstance(module, torch.nn.Dropout):
+            return "dropout"
+    return None
+
+
+def _shape(node) -> Optional[tuple]:
+    ex = example(node)
+    return tuple(ex.shape) if isinstance(ex, torch.Tensor) else None
+
+
+def _is_tensor(node) -> bool:
+    return isinstance(node, fx.Node) and isinstance(example(node), torch.Tensor)
+
+
+class _Fail(Exception):
+    pass
+
+
+@dataclass
+class _Scores:
+    product: fx.Node                # the score product
+    factor: float                   # scale applied to q.k
+    terms: list                     # MaskTerms
+    region: set = field(default_factory=set)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading values through in-place steps
+# ---------------------------------------------------------------------------------------------
+def _read(flow: DataFlow, consumer: fx.Node, x):
+    """The node whose value `consumer` reads when it names x: x itself, or the last in-place
+    step on x (x.mul_(c), x += m, ...) that runs before the consumer."""
+    if not isinstance(x, fx.Node):
+        return x
+    group, stack = {x}, [x]
+    while stack:
+        a = stack.pop()
+        for u in a.users:
+            if u not in group and u.args and u.args[0] is a and is_inplace(u):
+                group.add(u)
+                stack.append(u)
+    before = [m for m in group if m is not x and flow.order[m] < flow.order[consumer]]
+    return max(before, key=flow.order.__getitem__) if before else x
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+def _operands(node: fx.Node) -> list:
+    """Positional operands, with a method's self first."""
+    return list(node.args)
+
+
+def _kw(node: fx.Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _number(flow: DataFlow, x) -> Optional[float]:
+    """x as a Python float, when it is a compile-time constant scalar."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, fx.Node):
+        ex = example(x)
+        if isinstance(ex, torch.Tensor) and ex.numel() != 1:
+            return None
+        value = flow.constant_value(x)
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point() or (
+                isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool):
+            return float(value.reshape(()).item())
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def _softmax_dim(node: fx.Node):
+    if node.op == "call_module":
+        return node.graph.owning_module.get_submodule(node.target).dim
+    return _kw(node, 1, "dim")
+
+
+# ---------------------------------------------------------------------------------------------
+# The scores side
+# ---------------------------------------------------------------------------------------------
+def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int = 0) -> _Scores:
+    terms, region = [], set()
+    for _ in range(48):
+        if not isinstance(x, fx.Node):
+            raise _Fail("the scores are not a tensor of the graph")
+        x = _read(flow, consumer, x)
+        region.add(x)
+        name = op_name(x)
+        args = _operands(x)
+        if name == "cast":
+            consumer, x = x, args[0]
+            continue
+        if name in ("mul", "div"):
+            if x.kwargs.get("rounding_mode") is not None:
+                raise _Fail("a rounding division between the scores and the softmax")
+            a, b = args[0], (args[1] if len(args) > 1 else x.kwargs.get("other"))
+            ca, cb = _number(flow, a), _number(flow, b)
+            if name == "mul" and cb is not None and _is_tensor(a):
+                factor, chain = factor * cb, a
+            elif name == "mul" and ca is not None and _is_tensor(b):
+                factor, chain = factor * ca, b
+            elif name == "div" and cb is not None and cb != 0 and _is_tensor(a):
+                factor, chain = factor / cb, a
+            else:
+                raise _Fail("the scores are scaled by a value that is not a compile-time constant")
+            consumer, x = x, chain
+            continue
+        if name in ("add", "sub"):
+            a, b = args[0], (args[1] if len(args) > 1 else x.kwargs.get("other"))
+            alpha = x.kwargs.get("alpha", 1)
+            sign = -1.0 if name == "sub" else 1.0
+            if not isinstance(alpha, (int, float)):
+                raise _Fail("an add with a run-time alpha between the scores and the softmax")
+            if not _is_tensor(b) and _number(flow, b) is not None:
+                consumer, x = x, a  # a constant shift: the softmax does not see it
+                continue
+            if not _is_tensor(a) and _number(flow, a) is not None and name == "add":
+                consumer, x = x, b
+                continue
+            if depth > 4:
+                raise _Fail("too many masks added to the scores")
+            try:
+                inner = _walk_scores(flow, x, a, factor, depth + 1)
+                term = MaskTerm(b, "add", factor * sign * alpha)
+            except _Fail as first:
+                if name == "sub":
+                    raise
+                try:
+                    inner = _walk_scores(flow, x, b, factor, depth + 1)
+                    term = MaskTerm(a, "add", factor)
+                except _Fail:
+                    raise first from None
+            if not _is_tensor(term.node):
+                raise _Fail("an additive mask that is not a tensor")
+            inner.terms = terms + [term] + inner.terms
+            inner.region |= region
+            return inner
+        if name == "masked_fill":
+            mask, value = args[1], (args[2] if len(args) > 2 else x.kwargs.get("value"))
+            v = _number(flow, value)
+            if v is None or factor <= 0 or not v * factor <= FORBIDDEN:
+                raise _Fail(f"masked_fill with {value!r} before the softmax does not forbid keys")
+            terms.append(MaskTerm(mask, "forbid"))
+            consumer, x = x, args[0]
+            continue
+        if name in ("where", "where_method"):
+            if name == "where":
+                if len(args) < 3:
+                    raise _Fail("a where() with one argument between the scores and the softmax")
+                cond, a, b = args[0], args[1], args[2]
+            else:
+                cond, a, b = args[1], args[0], (args[2] if len(args) > 2 else x.kwargs.get("other"))
+            va, vb = _number(flow, a), _number(flow, b)
+            if vb is not None and _is_tensor(a) and example(a).shape == example(x).shape and factor > 0 and vb * factor <= FORBIDDEN:
+                terms.append(MaskTerm(cond, "allow"))
+                consumer, x = x, a
+                continue
+            if va is not None and _is_tensor(b) and example(b).shape == example(x).shape and factor > 0 and va * factor <= FORBIDDEN:
+                terms.append(MaskTerm(cond, "forbid"))
+                consumer, x = x, b
+                continue
+            raise _Fail("a where() between the scores and the softmax that is not a mask")
+        if name in ("matmul", "bmm", "einsum"):
+            return _Scores(x, factor, terms, region)
+        if name == "baddbmm":
+            beta = x.kwargs.get("beta", 1)
+            alpha = x.kwargs.get("alpha", 1)
+            if not isinstance(beta, (int, float)) or not isinstance(alpha, (int, float)):
+                raise _Fail("baddbmm with run-time beta or alpha")
+            if beta != 0:
+                terms.append(MaskTerm(args[0], "add", factor * beta))
+            return _Scores(x, factor * alpha, terms, region)
+        what = x.target if x.op == "call_method" else getattr(x.target, "__name__", str(x.target))
+        raise _Fail(f"{what} between the scores and the softmax is not part of attention")
+    raise _Fail("the scores are computed through too many steps")
+
+
+def _product_operands(node: fx.Node) -> tuple[Optional[str], list]:
+    """(einsum equation or None, tensor operands) of a product node."""
+    name = op_name(node)
+    args = _operands(node)
+    if name == "einsum":
+        spec = args[0]
+        ops = args[1:]
+        if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+            ops = list(ops[0])
+        return spec, list(ops)
+    if name == "baddbmm":
+        return None, [args[1], args[2]]
+    return None, [args[0], args[1] if len(args) > 1 else node.kwargs.get("other")]
+
+
+def _looks_like_attention_upstream(flow: DataFlow, x, depth: int = 8) -> bool:
+    """Is there a product of two activations a few steps above x (for reporting sites that are
+    attention but cannot be matched)?"""
+    frontier, seen = [x], set()
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            if not isinstance(n, fx.Node) or n in seen:
+                continue
+            seen.add(n)
+            if op_name(n) in ("matmul", "bmm", "einsum", "baddbmm"):
+                _, ops = _product_operands(n)
+                if sum(flow.is_activation(o) for o in ops if isinstance(o, fx.Node)) >= 2:
+                    return True
+            nxt.extend(a for a in n.all_input_nodes if flow.is_activation(a))
+        frontier = nxt
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# The probabilities side
+# ---------------------------------------------------------------------------------------------
+def _value_products(flow: DataFlow, softmax: fx.Node, depth: int = 6) -> list:
+    """Products (matmul, bmm, einsum) that the probabilities reach through shape-preserving
+    steps, with the tensor they multiply: [(product, probs operand, v operand)]."""
+    found, frontier, seen = [], [softmax], {softmax}
+    shape = _shape(softmax)
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u in seen:
+                    continue
+                seen.add(u)
+                name = op_name(u)
+                if name in ("matmul", "bmm", "einsum"):
+                    spec, ops = _product_operands(u)
+                    if len(ops) == 2 and n in ops and all(_is_tensor(o) for o in ops):
+                        other = ops[1] if ops[0] is n else ops[0]
+                        if spec is not None or ops[0] is n:
+                            found.append((u, n, other))
+                            continue
+                if _shape(u) == shape:
+                    nxt.append(u)
+        frontier = nxt
+    return found
+
+
+def _walk_probs(flow: DataFlow, product: fx.Node, x, softmax: fx.Node) -> tuple[float, set]:
+    """From the product's probs operand up to the softmax: (dropout_p, region)."""
+    dropout_p, region, consumer = 0.0, set(), product
+    for _ in range(24):
+        x = _read(flow, consumer, x)
+        region.add(x)
+        if x is softmax:
+            return dropout_p, region
+        name = op_name(x)
+        args = _operands(x)
+        if name == "cast":
+            consumer, x = x, args[0]
+            continue
+        if name == "dropout":
+            if x.op == "call_module":
+                module = x.graph.owning_module.get_submodule(x.target)
+                p, training = module.p, module.training
+            else:
+                p = _kw(x, 1, "p", 0.5)
+                training = _kw(x, 2, "train" if x.target is torch.dropout else "training", True)
+            if not isinstance(p, (int, float)) or not isinstance(training, bool):
+                raise _Fail("dropout on the attention probabilities with run-time arguments")
+            if training and p > 0:
+                if dropout_p:
+                    raise _Fail("two dropouts on the attention probabilities")
+                dropout_p = float(p)
+            consumer, x = x, args[0]
+            continue
+        what = x.target if x.op == "call_method" else getattr(x.target, "__name__", str(x.target))
+        raise _Fail(f"the attention probabilities go through {what} before the product with v")
+    raise _Fail("the probabilities reach v through too many steps")
+
+
+# ---------------------------------------------------------------------------------------------
+# Geometry: q, k, v and the output in [B, H, N, D]
+# ---------------------------------------------------------------------------------------------
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def parse_einsum(spec: str, ndims: list) -> Optional[tuple[list, str]]:
+    """(input subscripts, output subscripts) with '...' spelled out, or None."""
+    if not isinstance(spec, str):
+        return None
+    spec = spec.replace(" ", "")
+    lhs, arrow, out = spec.partition("->")
+    ins = lhs.split(",")
+    if len(ins) != len(ndims):
+        return None
+    used = set(spec) - set(".,->")
+    free = [c for c in _LETTERS if c not in used]
+    widths = [nd - (len(s) - 3) for s, nd in zip(ins, ndims) if "..." in s]
+    width = max(widths, default=0)
+    ell = "".join(free[:width])
+    fixed = []
+    for s, nd in zip(ins, ndims):
+        if "..." in s:
+            w = nd - (len(s) - 3)
+            s = s.replace("...", ell[width - w:] if w else "")
+        if len(s) != nd or not s.isalpha():
+            return None
+        fixed.append(s)
+    if not arrow:
+        counts = {}
+        for s in fixed:
+            for c in s:
+                counts[c] = counts.get(c, 0) + 1
+        out = ell + "".join(sorted(c for c, n in counts.items() if n == 1 and c not in ell))
+    else:
+        out = out.replace("...", ell)
+    if any(len(set(s)) != len(s) for s in fixed + [out]):
+        return None
+    return fixed, out
+
+
+@dataclass
+class _Operand:
+    """How to get a canonical operand from a node: permute, then unsqueeze missing dims, or
+    transpose the last two dims (k^T given), then unfold folded heads."""
+    node: fx.Node
+    perm: Optional[tuple] = None
+    unsqueeze: tuple = ()
+    swap_last: bool = False
+
+    @property
+    def plain(self) -> bool:
+        return self.perm is None and not self.unsqueeze and not self.swap_last
+
+    def shape(self) -> tuple:
+        s = list(_shape(self.node))
+        if self.perm is not None:
+            s = [s[i] for i in self.perm]
+        for pos in self.unsqueeze:
+            s.insert(pos, 1)
+        if self.swap_last:
+            s[-1], s[-2] = s[-2], s[-1]
+        return tuple(s)
+
+    def build(self, graph: fx.Graph) -> fx.Node:
+        n = self.node
+        if self.perm is not None:
+            n = graph.call_method("permute", (n, *self.perm))
+        for pos in self.unsqueeze:
+            n = graph.call_method("unsqueeze", (n, pos))
+        if self.swap_last:
+            n = graph.call_method("transpose", (n, -2, -1))
+        return n
+
+
+def _swapped(node) -> Optional[fx.Node]:
+    """x when node is x with its last two dims swapped (x.transpose(-2, -1), .mT, permute)."""
+    if not isinstance(node, fx.Node):
+        return None
+    name = op_name(node)
+    shape = _shape(node)
+    if shape is None or len(shape) < 2:
+        return None
+    nd = len(shape)
+    if name == "mT" or (name == "T" and nd == 2):
+        return node.args[0]
+    if name == "transpose":
+        d0, d1 = _kw(node, 1, "dim0"), _kw(node, 2, "dim1")
+        if isinstance(d0, int) and isinstance(d1, int) and {d0 % nd, d1 % nd} == {nd - 2, nd - 1}:
+            return node.args[0]
+    if name == "permute":
+        dims = node.args[1:] if node.op == "call_method" else node.args[1]
+        if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+            dims = dims[0]
+        dims = [d % nd for d in dims] if all(isinstance(d, int) for d in dims) else None
+        if dims == list(range(nd - 2)) + [nd - 1, nd - 2]:
+            return node.args[0]
+    return None
+
+
+def _pad(node: fx.Node, nd: int) -> _Operand:
+    """node left-padded with size-1 dims to nd dims (matmul's broadcasting)."""
+    have = len(_shape(node))
+    return _Operand(node, unsqueeze=tuple(range(nd - have)))
+
+
+def _canonical(sub: str, target: str, node: fx.Node) -> _Operand:
+    perm = tuple(sub.index(c) for c in target if c in sub)
+    missing = tuple(i for i, c in enumerate(target) if c not in sub)
+    return _Operand(node, None if perm == tuple(range(len(sub))) else perm, missing)
+
+
+def _score_geometry(scores: fx.Node, spec, ops) -> tuple[_Operand, _Operand, int, Optional[list]]:
+    """(q, k, batch dims, einsum letters of the scores or None)."""
+    sshape = _shape(scores)
+    nd = len(sshape)
+    if nd not in (3, 4):
+        raise _Fail(f"scores of shape {sshape}: neither [B, H, N, N] nor [B*H, N, N]")
+    a, b = ops
+    if spec is None:
+        if len(_shape(a)) > nd or len(_shape(b)) > nd or len(_shape(a)) < 2 or len(_shape(b)) < 2:
+            raise _Fail("a score product with unusual operand ranks")
+        q = _pad(a, nd)
+        k_plain = _swapped(b)
+        if k_plain is not None and len(_shape(k_plain)) == len(_shape(b)):
+            k = _pad(k_plain, nd)
+        else:
+            k = _Operand(b, unsqueeze=tuple(range(nd - len(_shape(b)))), swap_last=True)
+        return q, k, nd - 2, None
+    parsed = parse_einsum(spec, [len(_shape(a)), len(_shape(b))])
+    if parsed is None:
+        raise _Fail(f"einsum {spec!r} is not a product the pass understands")
+    (sa, sb), so = parsed
+    if len(so) != nd:
+        raise _Fail(f"einsum {spec!r} is not a product the pass understands")
+    i, j, batch = so[-2], so[-1], so[:-2]
+    contracted = (set(sa) & set(sb)) - set(so)
+    summed = (set(sa) | set(sb)) - set(so) - contracted
+    if len(contracted) != 1 or summed or i not in sa or i in sb or j not in sb or j in sa:
+        raise _Fail(f"einsum {spec!r} is not q.k over one feature dimension")
+    c = contracted.pop()
+    return _canonical(sa, batch + i + c, a), _canonical(sb, batch + j + c, b), len(batch), list(so)
+
+
+def _value_geometry(product: fx.Node, probs, v, score_letters: Optional[list], nb: int):
+    """(v operand, permutation of the op's canonical output to the product's output or None)."""
+    spec, ops = _product_operands(product)
+    if spec is None:
+        nd = len(_shape(product))
+        if nd != nb + 2 or len(_shape(v)) > nd:
+            raise _Fail("the product with v does not keep the scores' batch dims")
+        return _pad(v, nd), None
+    ndims = [len(_shape(o)) for o in ops]
+    parsed = parse_einsum(spec, ndims)
+    if parsed is None:
+        raise _Fail(f"einsum {spec!r} is not a product the pass understands")
+    subs, so = parsed
+    sp, sv = (subs[0], subs[1]) if ops[0] is probs else (subs[1], subs[0])
+    batch, i, j = sp[:-2], sp[-2], sp[-1]
+    d = [c for c in sv if c not in sp]
+    if (len(d) != 1 or j not in sv or j in so or sorted(so) != sorted(batch + i + d[0])
+            or any(c not in sp[:-2] + j + d[0] for c in sv)):
+        raise _Fail(f"einsum {spec!r} is not the product of the probabilities with v")
+    canon = batch + i + d[0]
+    perm = tuple(canon.index(c) for c in so)
+    return _canonical(sv, batch + j + d[0], v), (None if perm == tuple(range(len(so))) else perm)
+
+
+_SHAPE_STEPS = {"view", "reshape", "transpose", "permute", "contiguous", "to", "float", "half",
+                "bfloat16", "type_as", "flatten", "unflatten", "mul", "div", "clone", "getitem",
+                "split", "chunk", "unbind", "tensor_split", "squeeze", "unsqueeze"}
+
+
+def _heads_upstream(node: fx.Node, bh: int, n: int, d: int) -> Optional[int]:
+    """The number of heads H of a folded [B*H, n, d] operand, read from the shapes it was
+    reshaped from: [B, H, n, d], [B, n, H, d], [n, B, H, d] or [B, n, H*d] / [n, B, H*d]."""
+    x = node
+    for _ in range(10):
+        if not isinstance(x, fx.Node):
+            return None
+        shape = _shape(x)
+        if x is not node and shape is not None:
+            if len(shape) == 4:
+                for p1, p2 in ((0, 1), (0, 2), (1, 2)):
+                    rest = [s for idx, s in enumerate(shape) if idx not in (p1, p2)]
+                    if shape[p1] * shape[p2] == bh and sorted(rest) == sorted([n, d]) and shape[p2] > 1:
+                        return shape[p2]
+            if len(shape) == 3 and shape != _shape(node) and n in shape[:2] and shape[2] % d == 0:
+                h = shape[2] // d
+                other = shape[1] if shape[0] == n else shape[0]
+                if h > 0 and other * h == bh:
+                    return h
+        name = x.target if x.op == "call_method" else getattr(x.target, "__name__", "")
+        if name not in _SHAPE_STEPS or not x.args:
+            return None
+        x = x.args[0]
+    return None
+
+
+def _heads_downstream(node: fx.Node, bh: int) -> Optional[int]:
+    for u in node.users:
+        shape = _shape(u)
+        name = u.target if u.op == "call_method" else getattr(u.target, "__name__", "")
+        if name in ("view", "reshape", "unflatten") and shape and len(shape) == 4 and shape[0] * shape[1] == bh:
+            return shape[1]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The finder
+# ---------------------------------------------------------------------------------------------
+def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Site]:
+    shape = _shape(softmax)
+    if shape is None or len(shape) < 2:
+        return None
+    products = _value_products(flow, softmax)
+    products = [p for p in products if flow.is_activation(p[2])]
+    src = softmax.args[0]
+    if not products:
+        return None
+    try:
+        scores = _walk_scores(flow, softmax, src, 1.0)
+    except _Fail as fail:
+        if _looks_like_attention_upstream(flow, src):
+            return Site(kind="manual", output=products[0][0], reason=str(fail))
+        return None
+    spec, ops = _product_operands(scores.product)
+    if len(ops) != 2 or not all(_is_tensor(o) for o in ops) or not all(
+            flow.is_activation(o) for o in ops):
+        return None  # scores of a linear layer, not of two activations: not attention
+    product, probs, v = products[0]
+    site = Site(kind="manual", output=product)
+    if len(products) > 1:
+        site.reason = "the attention probabilities feed more than one product"
+        return site
+    dim = _softmax_dim(softmax)
+    if not isinstance(dim, int) or dim % len(shape) != len(shape) - 1:
+        site.reason = f"the softmax is over dim {dim}, not the keys (the last dimension)"
+        return site
+    try:
+        dropout_p, probs_region = _walk_probs(flow, product, probs, softmax)
+        q, k, nb, letters = _score_geometry(scores.product, spec, ops)
+        vop, out_perm = _value_geometry(product, probs, v, letters, nb)
+    except _Fail as fail:
+        site.reason = str(fail)
+        return site
+    region = scores.region | probs_region | {softmax, product, scores.product}
+    escapes = flow.escapes(region, product)
+    if escapes:
+        inner = escapes[0][0]
+        after = flow.order[inner] >= flow.order[softmax]
+        site.reason = ("attention weights are used outside the attention" if after else
+                       "the attention scores are used outside the attention")
+        return site
+    site.region = region
+    site.scale = float(scores.factor)
+    site.dropout_p = dropout_p
+    site.q, site.k, site.v = q.node, k.node, vop.node   # for the data-flow proof
+
+    qs, ks, vs = q.shape(), k.shape(), vop.shape()
+    heads = None
+    if nb == 1:  # heads folded into the batch: [B*H, N, D]
+        bh, n, d = qs
+        heads = (_heads_upstream(q.node, bh, n, d) or _heads_upstream(k.node, bh, ks[1], ks[2])
+                 or _heads_upstream(vop.node, bh, vs[1], vs[2]) or _heads_downstream(product, bh))
+        if heads is None:
+            site.reason = ("the heads are folded into the batch ([B*H, N, D]) and no reshape "
+                           "tells how many there are")
+            return site
+        if ks[0] != bh or vs[0] != bh:
+            site.reason = "folded q, k and v do not have the same batch"
+            return site
+        qs, ks, vs = ((bh // heads, heads) + s[1:] for s in (qs, ks, vs))
+    else:
+        # GQA: keys and values repeated to the query heads (repeat_kv) go to the op as they were
+        kb = k.node if k.plain else None
+        if kb is not None and vop.plain:
+            k0, rk = unrepeat_kv(kb)
+            v0, rv = unrepeat_kv(vop.node)
+            if rk > 1 and rk == rv:
+                k, vop = _Operand(k0), _Operand(v0)
+                ks, vs = k.shape(), vop.shape()
+                site.k, site.v = k0, v0
+    site.enable_gqa = len(qs) == 4 and len(ks) == 4 and qs[1] != ks[1]
+
+    n = qs[2] if len(qs) == 4 else None
+    is_causal, kept = resolve_masks(flow, scores.terms, n) if n is not None else (False, scores.terms)
+    site.is_causal = is_causal
+    site.shapes = {"q": qs, "k": ks, "v": vs, "mask": mask_shape(kept, heads)}
+    simple_mask = not kept or (len(kept) == 1 and heads is None and (
+        (kept[0].kind == "allow" and getattr(example(kept[0].node), "dtype", None) == torch.bool)
+        or (kept[0].kind == "add" and kept[0].factor == 1.0)))
+    if q.plain and k.plain and vop.plain and heads is None and simple_mask:
+        site.attn_mask = kept[0].node if kept else None
+    else:
+        def adapt_inputs(graph: fx.Graph, q=q, k=k, vop=vop, heads=heads, kept=kept):
+            nodes = [op.build(graph) for op in (q, k, vop)]
+            if heads is not None:
+                nodes = [graph.call_method("unflatten", (x, 0, (-1, heads))) for x in nodes]
+            return (*nodes, build_mask(graph, kept, heads))
+        site.adapt_inputs = adapt_inputs
+        site.attn_mask = None
+
+    if heads is not None or out_perm is not None:
+        def adapt_output(graph: fx.Graph, out: fx.Node, heads=heads, out_perm=out_perm):
+            if heads is not None:
+                out = graph.call_method("flatten", (out, 0, 1))
+            if out_perm is not None:
+                out = graph.call_method("permute", (out, *out_perm))
+            return out
+        site.adapt_output = adapt_output
+    return site
+
+
+def find_manual_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list:
+    sites = []
+    for node in graph.nodes:
+        if op_name(node) != "softmax":
+            continue
+        flow = flow or DataFlow(graph)
+        site = _match(flow, node)
+        if site is not None:
+            sites.append(site)
+    return sites

@@ -38,6 +38,18 @@ class Site:
     # Rewrites of shape the rewrite applies around the op: a callable (graph, op_output) -> node
     # that turns the op's [B, H, N, Dv] output into what `output` produced, or None.
     adapt_output: object = None
+    # The other way round, for sites whose q, k, v (and mask) are not yet nodes of canonical form
+    # (nn.MultiheadAttention, hand-written attention with k transposed or heads folded into the
+    # batch, masks that must be combined or inverted): a callable (graph) -> (q, k, v, attn_mask)
+    # that inserts the canonical nodes at the graph's insertion point, or None. Until it is
+    # called, q, k, v are the nodes the canonical ones are computed from (for the data-flow proof
+    # and the device) and `shapes` holds the canonical shapes (see below).
+    adapt_inputs: object = None
+    # Canonical shapes when adapt_inputs is set: {"q": shape, "k": shape, "v": shape,
+    # "mask": (shape, dtype, requires_grad) or None}; None otherwise (read from q, k, v).
+    shapes: Optional[dict] = None
+    # The nodes that only this attention uses, output included (proved closed by the finder).
+    region: set = field(default_factory=set)
 
 
 _ROOT = re.compile(r"^L\['[^']*'\]\.?")
