@@ -17,6 +17,7 @@ from lowering import resolve_lowering
 from lowering.dropout import new_seed
 
 from .config import DilatedConfig
+from .dataflow import is_inplace
 from .logs import log, log_site
 from .scope import compiled_roots, config_of
 from .sites import Site, example
@@ -60,6 +61,8 @@ def rewrite_site(graph: fx.Graph, site: Site, config: DilatedConfig) -> fx.Node:
     lowering = resolve_lowering(config.lowering, q.device)
     scale = site.scale if site.scale is not None else 1.0 / math.sqrt(q.shape[-1])
     with graph.inserting_before(site.output):
+        if site.adapt_inputs is not None:  # canonical q, k, v, mask of mha / manual sites
+            site.q, site.k, site.v, site.attn_mask = site.adapt_inputs(graph)
         seed = None
         if site.dropout_p > 0.0:
             seed = graph.call_function(new_seed, (q.device,))
@@ -86,7 +89,9 @@ def rewrite(gm: fx.GraphModule, sites: list[Site], default: DilatedConfig) -> li
     """Rewrite what may be rewritten, mark the rest skipped; returns the sites."""
     roots = compiled_roots()
     scoped = graph_is_scoped(gm.graph, roots)
-    for site in sites:
+    # Last site first: a site's inputs may be an earlier site's output, which that site's rewrite
+    # then replaces everywhere, in the nodes inserted for the later site included.
+    for site in reversed(sites):
         site.module_types = [type(m) for m in roots] + list(site.module_types)
         if not site.reason:
             config = site_config(site, default, scoped)
@@ -98,7 +103,10 @@ def rewrite(gm: fx.GraphModule, sites: list[Site], default: DilatedConfig) -> li
                 rewrite_site(gm.graph, site, config)
                 continue
         site.action = "skipped"
-    gm.graph.eliminate_dead_code()
+    # Dead code goes, but in-place ops (x.mul_(2), x += m) only inside rewritten attentions.
+    dead = set().union(*(s.region for s in sites if s.action == "rewritten"))
+    gm.graph.eliminate_dead_code(
+        is_impure_node=lambda n: n.is_impure() or (is_inplace(n) and n not in dead))
     gm.graph.lint()
     gm.recompile()
     for site in sites:
