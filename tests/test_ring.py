@@ -1,0 +1,260 @@
+"""Dilated attention over a device mesh (SPEC section 4), on CPU with gloo.
+
+Two launches of worker processes (tests/ring_worker.py), one of 2 ranks and one of 4, run every
+case; each rank returns its shards of the output and of dq, dk, dv, which are compared here with
+the float64 reference (tests/reference.py) computed on the whole sequence in this process.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import ring_worker  # noqa: E402
+from reference import reference_dilated_attention  # noqa: E402
+
+from lowering.dropout import keep_mask  # noqa: E402
+from lowering.ring_plan import plan_bytes, ring_plan  # noqa: E402
+
+if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
+
+
+def attention_case(name, world, n, segs, rates, *, hilbert=False, causal=False, B=1, Hq=4,
+                   Hkv=None, D=8, dtype="float32", seed=0, **extra):
+    case = dict(kind="attention", name=name, world=world, n=n, segs=list(segs),
+                rates=list(rates), hilbert=hilbert, causal=causal, B=B, Hq=Hq, Hkv=Hkv or Hq,
+                D=D, dtype=dtype, seed=seed)
+    case.update(extra)
+    return case
+
+
+# n = positions per rank. With P = 2, n = 24: w = 8 lies inside a shard, w = 24 equals a shard,
+# w = 48 spans both. With P = 4, n = 16: w = 8 inside one shard, 32 spans two, 64 spans all four.
+CASES_2 = [
+    attention_case("p2_one_and_all_shards", 2, 24, (8, 24, 48), (1, 2, 4)),
+    attention_case("p2_hilbert_straddling", 2, 24, (16, 48), (2, 4), hilbert=True, seed=1),
+    attention_case("p2_causal_hilbert", 2, 24, (12, 48), (1, 3), hilbert=True, causal=True,
+                   seed=2),
+    attention_case("p2_gqa_ragged_causal", 2, 20, (6, 16, 64), (1, 2, 4), hilbert=True,
+                   causal=True, Hq=4, Hkv=2, B=2, seed=3),
+    attention_case("p2_float64_batch", 2, 24, (8, 32), (2, 4), hilbert=True, B=2,
+                   dtype="float64", seed=4, scale=0.3),
+    attention_case("p2_dropout", 2, 24, (8, 48), (1, 2), dropout_p=0.3, dropout_seed=1234,
+                   seed=5),
+]
+CASES_4 = [
+    attention_case("p4_one_two_all_shards", 4, 16, (8, 32, 64), (1, 2, 4), hilbert=True),
+    attention_case("p4_causal_gqa", 4, 16, (8, 32, 64), (1, 2, 4), hilbert=True, causal=True,
+                   Hkv=2, seed=1),
+    attention_case("p4_ragged", 4, 10, (6, 24, 40), (1, 2, 4), hilbert=True, seed=2),
+    attention_case("p4_ragged_causal_noncubic", 4, 10, (6, 24, 40), (1, 2, 4), causal=True,
+                   seed=3),
+    attention_case("p4_heads_fewer_than_rate", 4, 16, (64,), (4,), causal=True, Hq=2, seed=4),
+]
+
+
+def error_case(name, common, per_rank, expect):
+    return dict(kind="error", name=name, common=common, per_rank=per_rank, expect=expect)
+
+
+BASE = dict(n=8, segs=(4, 16), rates=(1, 2))
+ERROR_CASES = [
+    error_case("err_unequal_shards", BASE, {1: dict(n=10)}, r"unequal length"),
+    error_case("err_segments_differ", BASE, {1: dict(segs=(4, 8))}, r"differs across"),
+    error_case("err_causal_differs", BASE, {0: dict(causal=True)}, r"differs across"),
+    error_case("err_mask_everywhere", dict(BASE, mask=True), {}, r"attn_mask"),
+    error_case("err_mask_on_one_rank", BASE, {1: dict(mask=True)}, r"attn_mask"),
+    error_case("err_invalid_on_one_rank", dict(BASE, front="checked"),
+               {1: dict(segs=(4, 6), rates=(1, 4))}, r"multiple of its dilation rate"),
+]
+# after the errors the same processes must still compute correctly: a last case checks it
+AFTER_ERRORS = attention_case("p2_after_errors", 2, 8, (4, 16), (1, 2), seed=9)
+
+COMPILED = dict(kind="compiled", name="compiled_model", world=2, n=24, B=2, segs=[8, 48],
+                rates=[1, 4], hilbert=True, seed=0,
+                model=dict(width=32, heads=4, layers=1, causal=True, kv_heads=2))
+
+
+@pytest.fixture(scope="module")
+def results2():
+    return ring_worker.launch(2, ERROR_CASES + [AFTER_ERRORS] + CASES_2 + [COMPILED],
+                              timeout=300)
+
+
+@pytest.fixture(scope="module")
+def results4():
+    return ring_worker.launch(4, CASES_4 + ERROR_CASES[:2], timeout=300)
+
+
+def assert_close(got, ref, what, rel):
+    got = torch.as_tensor(got).double()
+    ref = ref.detach().double()
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(got).all(), f"{what}: non-finite values"
+    err, nrm = (got - ref).norm().item(), ref.norm().item()
+    assert err <= rel * nrm + rel * math.sqrt(ref.numel()), \
+        f"{what}: ||got-ref||={err:.3g}, ||ref||={nrm:.3g}"
+    scale = max(1.0, ref.abs().max().item()) if ref.numel() else 1.0
+    torch.testing.assert_close(got, ref, atol=rel * scale, rtol=rel, msg=lambda m: f"{what}: {m}")
+
+
+def reference(case):
+    q, k, v, dout = ring_worker.full_inputs(case)
+    q, k, v = (x.double().requires_grad_(True) for x in (q, k, v))
+    keep = None
+    if case.get("dropout_p", 0.0) > 0:
+        b, h, n = case["B"], case["Hq"], case["world"] * case["n"]
+        pos = torch.arange(n)
+        keep = keep_mask(torch.tensor(case["dropout_seed"]),  # rank 0's seed
+                         torch.arange(b).view(b, 1, 1, 1), torch.arange(h).view(1, h, 1, 1),
+                         pos.view(1, 1, n, 1), pos.view(1, 1, 1, n), case["dropout_p"])
+    out = reference_dilated_attention(
+        q, k, v, case["segs"], case["rates"], hilbert=case["hilbert"], is_causal=case["causal"],
+        scale=case.get("scale"), enable_gqa=case["Hq"] != case["Hkv"],
+        dropout_p=case.get("dropout_p", 0.0), dropout_keep=keep)
+    out.backward(dout.double())
+    return out, q.grad, k.grad, v.grad
+
+
+def check_case(case, results):
+    assert case["name"] in results, f"no result for {case['name']}"
+    per_rank = results[case["name"]]
+    for rank in range(case["world"]):
+        res = per_rank[rank]
+        assert "error" not in res, f"rank {rank}: {res.get('traceback', res['error'])}"
+    out, dq, dk, dv = reference(case)
+    rel = 1e-10 if case["dtype"] == "float64" else 2e-5
+    n = case["n"]
+    for rank in range(case["world"]):
+        sl = slice(rank * n, (rank + 1) * n)
+        res = per_rank[rank]
+        for key, ref in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+            assert_close(res[key], ref[:, :, sl], f"{case['name']} rank {rank} {key}", rel)
+
+
+@pytest.mark.parametrize("case", CASES_2 + [AFTER_ERRORS], ids=lambda c: c["name"])
+def test_two_ranks_match_reference(case, results2):
+    check_case(case, results2)
+
+
+@pytest.mark.parametrize("case", CASES_4, ids=lambda c: c["name"])
+def test_four_ranks_match_reference(case, results4):
+    check_case(case, results4)
+
+
+@pytest.mark.parametrize("case", ERROR_CASES, ids=lambda c: c["name"])
+def test_bad_input_raises_on_every_rank(case, results2):
+    import re
+    per_rank = results2[case["name"]]
+    assert sorted(per_rank) == [0, 1]
+    for rank, res in per_rank.items():
+        assert "error" in res, f"rank {rank} did not raise"
+        assert res["error"].startswith("ValueError"), res.get("traceback", res["error"])
+        assert re.search(case["expect"], res["error"]), f"rank {rank}: {res['error']}"
+
+
+@pytest.mark.parametrize("case", ERROR_CASES[:2], ids=lambda c: c["name"])
+def test_bad_input_raises_on_every_rank_of_four(case, results4):
+    import re
+    per_rank = results4[case["name"]]
+    assert sorted(per_rank) == [0, 1, 2, 3]
+    for rank, res in per_rank.items():
+        assert res.get("error", "").startswith("ValueError"), f"rank {rank}: {res}"
+        assert re.search(case["expect"], res["error"]), f"rank {rank}: {res['error']}"
+
+
+def test_bytes_sent_are_what_the_plan_says(results2, results4):
+    """The bytes each rank sent equal the plan's count, far below a dense ring's."""
+    for case, results in ((CASES_2[0], results2), (CASES_4[0], results4), (CASES_4[1], results4)):
+        plan = plan_bytes(case["n"], case["world"], case["segs"], case["rates"],
+                          hilbert=case["hilbert"], is_causal=case["causal"], batch=case["B"],
+                          num_heads=case["Hq"], num_kv_heads=case["Hkv"], head_dim=case["D"],
+                          element_size=4, grad_element_size=4)
+        for rank in range(case["world"]):
+            got = results[case["name"]][rank]
+            assert got["forward_bytes"] == plan[rank]["forward_bytes"], (case["name"], rank)
+            assert got["backward_bytes"] == plan[rank]["backward_bytes"], (case["name"], rank)
+            assert got["forward_bytes"] < plan[rank]["dense_forward_bytes"]
+
+
+# --------------------------------------------------------------------------------------------
+# The communication plan alone (no processes).
+
+def peers_sent_to(n, world, segs, rates, hilbert=False, causal=False, hq=4, hkv=4):
+    sent = {}
+    for rank in range(world):
+        plan = ring_plan(n, world, rank, segs, rates, hilbert, causal, hq, hkv)
+        sent[rank] = sorted(s.send_to for s in plan.steps if s.send_count)
+    return sent
+
+
+def test_segments_inside_shards_send_nothing():
+    for rank in range(4):
+        plan = ring_plan(16, 4, rank, (4, 8, 16), (1, 2, 4), True, False, 4, 4)
+        assert plan.rows_sent == 0 and plan.rows_received == 0
+
+
+def test_only_ranks_sharing_a_segment_talk():
+    # w = 32 over shards of 16: ranks {0, 1} and {2, 3} share segments
+    assert peers_sent_to(16, 4, (32,), (2,)) == {0: [1], 1: [0], 2: [3], 3: [2]}
+    # w = 24 over shards of 10 (N = 40): [0, 24) spans ranks 0-2, [24, 40) ranks 2-3
+    assert peers_sent_to(10, 4, (24,), (1,)) == {0: [1, 2], 1: [0, 2], 2: [0, 1, 3], 3: [2]}
+
+
+def test_causal_sends_only_to_later_ranks():
+    assert peers_sent_to(16, 4, (64,), (4,), causal=True) == {0: [1, 2, 3], 1: [2, 3], 2: [3],
+                                                             3: []}
+
+
+@pytest.mark.parametrize("hilbert", [False, True])
+def test_only_selected_rows_travel(hilbert):
+    # one branch over everything, r = 4, one kv head per query head: each head reads 1/4 of
+    # the rows, so each rank sends (P - 1) * Hq * n / 4 rows instead of (P - 1) * Hkv * n
+    n, world, r = 64, 4, 4
+    res = plan_bytes(n, world, (n * world,), (r,), hilbert=hilbert, is_causal=False, batch=1,
+                     num_heads=4, num_kv_heads=4, head_dim=8)
+    for rank_res in res:
+        assert rank_res["rows_sent"] == (world - 1) * 4 * n // r
+        assert rank_res["forward_bytes"] * r == rank_res["dense_forward_bytes"]
+
+
+def test_gqa_sends_each_row_once_per_offset():
+    # 4 query heads over 1 kv head, r = 2: offsets {0, 1} of the one kv head -> n rows per peer,
+    # not 2n (as if sent per query head)
+    n, world = 16, 2
+    plan = ring_plan(n, world, 0, (32,), (2,), False, False, 4, 1)
+    assert plan.rows_sent == n
+
+
+# --------------------------------------------------------------------------------------------
+# The pass: a model compiled with a mesh equals the same model compiled in one process.
+
+def test_compiled_model_with_mesh_equals_one_process(results2):
+    import hilbert_fx
+    from models import TinyTransformer
+    case = COMPILED
+    per_rank = results2[case["name"]]
+    for rank in (0, 1):
+        assert "error" not in per_rank[rank], per_rank[rank].get("traceback")
+    graph = "\n".join(per_rank[0]["graph_after"])
+    assert "torch.ops.hilbert_fx.ring_dilated_attention.default" in graph, graph
+    assert repr(per_rank[0]["group_name"]) in graph
+
+    torch.manual_seed(case["seed"])
+    model = TinyTransformer(**case["model"])
+    tokens, weight = ring_worker.compiled_inputs(case)
+    be = hilbert_fx.backend(case["segs"], case["rates"], hilbert=case["hilbert"],
+                            lowering="sdpa")
+    y = torch.compile(model, backend=be)(tokens)
+    (y * weight).sum().backward()
+    n = case["n"]
+    for rank in (0, 1):
+        assert_close(per_rank[rank]["out"], y[:, rank * n:(rank + 1) * n],
+                     f"compiled output rank {rank}", 2e-5)
+    for name, p in model.named_parameters():
+        assert_close(per_rank[0]["grads"][name], p.grad, f"grad of {name}", 2e-5)
