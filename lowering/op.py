@@ -105,6 +105,12 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
                       scale: Optional[float] = None, enable_gqa: bool = False,
                       lowering: str = "auto", mesh=None) -> Tensor:
     """LongNet dilated attention as SPEC section 2 defines it; arguments as in SDPA."""
+    if mesh is not None:  # checked there so that every rank of the mesh raises, none hangs
+        from .ring import dilated_attention_on_mesh
+        return dilated_attention_on_mesh(q, k, v, segment_lengths, dilation_rates, hilbert=hilbert,
+                                         is_causal=is_causal, attn_mask=attn_mask,
+                                         dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
+                                         lowering=lowering, mesh=mesh)
     segment_lengths, dilation_rates = check_branches(segment_lengths, dilation_rates)
     check_lowering(lowering)
     check_tensors(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
@@ -112,12 +118,6 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     resolved = resolve_lowering(lowering, q.device)
     seed = new_seed(q.device) if dropout_p > 0.0 else None
-    if mesh is not None:
-        from .ring import ring_dilated_attention
-        return ring_dilated_attention(q, k, v, segment_lengths, dilation_rates, hilbert=hilbert,
-                                      is_causal=is_causal, attn_mask=attn_mask,
-                                      dropout_p=dropout_p, seed=seed, scale=scale,
-                                      lowering=resolved, mesh=mesh)
     out, _ = torch.ops.hilbert_fx.dilated_attention(
         q, k, v, list(segment_lengths), list(dilation_rates), bool(hilbert), bool(is_causal),
         attn_mask, float(dropout_p), seed, scale, resolved)

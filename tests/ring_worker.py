@@ -10,6 +10,7 @@ process can compute the reference on the whole sequence and compare each rank's 
 """
 from __future__ import annotations
 
+import datetime
 import os
 import queue as queue_mod
 import socket
@@ -21,6 +22,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+
+COLLECTIVE_TIMEOUT_S = 60
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -62,10 +65,18 @@ def _run_attention(case, rank, mesh):
         # every rank passes its own seed on purpose: rank 0's must be used everywhere
         seed = torch.tensor(case["dropout_seed"] + rank, dtype=torch.int64)
     before = ring.comm_stats()
-    out = ring.ring_dilated_attention(
-        ql, kl, vl, case["segs"], case["rates"], hilbert=case["hilbert"],
-        is_causal=case["causal"], dropout_p=case.get("dropout_p", 0.0), seed=seed,
-        scale=case.get("scale"), lowering="sdpa", mesh=mesh)
+    if case.get("front") == "public":  # hilbert_fx.dilated_attention(..., mesh=mesh)
+        import hilbert_fx
+        assert seed is None, "the public op draws its own dropout seed"
+        out = hilbert_fx.dilated_attention(
+            ql, kl, vl, case["segs"], case["rates"], hilbert=case["hilbert"],
+            is_causal=case["causal"], scale=case.get("scale"),
+            enable_gqa=case["Hq"] != case["Hkv"], lowering="sdpa", mesh=mesh)
+    else:
+        out = ring.ring_dilated_attention(
+            ql, kl, vl, case["segs"], case["rates"], hilbert=case["hilbert"],
+            is_causal=case["causal"], dropout_p=case.get("dropout_p", 0.0), seed=seed,
+            scale=case.get("scale"), lowering="sdpa", mesh=mesh)
     mid = ring.comm_stats()
     out.backward(dout[:, :, sl])
     after = ring.comm_stats()
@@ -83,9 +94,11 @@ def _run_error(case, rank, mesh):
     g = torch.Generator().manual_seed(rank)
     q = torch.randn(1, 2, n, 4, generator=g)
     mask = torch.ones(n, n, dtype=torch.bool) if spec.get("mask") else None
-    # "checked": the front that checks arguments first (a rank that rejects its own arguments
-    # must still make the others raise); otherwise the front lowering/op.py calls
-    fn = ring.dilated_attention_on_mesh if spec.get("front") == "checked" else \
+    # "checked": the public op, hilbert_fx.dilated_attention(mesh=...), which checks arguments
+    # first (a rank that rejects its own arguments must still make the others raise); otherwise
+    # the unchecked front that the op and the rewritten graph end in
+    import hilbert_fx
+    fn = hilbert_fx.dilated_attention if spec.get("front") == "checked" else \
         ring.ring_dilated_attention
     out = fn(q, q, q, spec["segs"], spec["rates"], hilbert=spec.get("hilbert", False),
              is_causal=spec.get("causal", False), attn_mask=mask, lowering="sdpa", mesh=mesh)
@@ -135,7 +148,10 @@ def _main(rank, world, port, cases, results):
     torch.set_num_threads(1)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a collective that waits longer than this raises instead of hanging (the launch's own
+    # timeout kills what is left)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     mesh = init_device_mesh("cpu", (world,))
     for case in cases:
         try:

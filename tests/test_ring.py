@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ring_worker  # noqa: E402
-from reference import reference_dilated_attention  # noqa: E402
+from reference import reference_dilated_attention, selected_sets  # noqa: E402
 
 from lowering.dropout import keep_mask  # noqa: E402
 from lowering.ring_plan import plan_bytes, ring_plan  # noqa: E402
@@ -39,7 +39,7 @@ CASES_2 = [
     attention_case("p2_one_and_all_shards", 2, 24, (8, 24, 48), (1, 2, 4)),
     attention_case("p2_hilbert_straddling", 2, 24, (16, 48), (2, 4), hilbert=True, seed=1),
     attention_case("p2_causal_hilbert", 2, 24, (12, 48), (1, 3), hilbert=True, causal=True,
-                   seed=2),
+                   seed=2, front="public"),
     attention_case("p2_gqa_ragged_causal", 2, 20, (6, 16, 64), (1, 2, 4), hilbert=True,
                    causal=True, Hq=4, Hkv=2, B=2, seed=3),
     attention_case("p2_float64_batch", 2, 24, (8, 32), (2, 4), hilbert=True, B=2,
@@ -50,7 +50,7 @@ CASES_2 = [
 CASES_4 = [
     attention_case("p4_one_two_all_shards", 4, 16, (8, 32, 64), (1, 2, 4), hilbert=True),
     attention_case("p4_causal_gqa", 4, 16, (8, 32, 64), (1, 2, 4), hilbert=True, causal=True,
-                   Hkv=2, seed=1),
+                   Hkv=2, seed=1, front="public"),
     attention_case("p4_ragged", 4, 10, (6, 24, 40), (1, 2, 4), hilbert=True, seed=2),
     attention_case("p4_ragged_causal_noncubic", 4, 10, (6, 24, 40), (1, 2, 4), causal=True,
                    seed=3),
@@ -168,18 +168,63 @@ def test_bad_input_raises_on_every_rank_of_four(case, results4):
         assert re.search(case["expect"], res["error"]), f"rank {rank}: {res['error']}"
 
 
-def test_bytes_sent_are_what_the_plan_says(results2, results4):
-    """The bytes each rank sent equal the plan's count, far below a dense ring's."""
-    for case, results in ((CASES_2[0], results2), (CASES_4[0], results4), (CASES_4[1], results4)):
-        plan = plan_bytes(case["n"], case["world"], case["segs"], case["rates"],
-                          hilbert=case["hilbert"], is_causal=case["causal"], batch=case["B"],
-                          num_heads=case["Hq"], num_kv_heads=case["Hkv"], head_dim=case["D"],
-                          element_size=4, grad_element_size=4)
-        for rank in range(case["world"]):
-            got = results[case["name"]][rank]
-            assert got["forward_bytes"] == plan[rank]["forward_bytes"], (case["name"], rank)
-            assert got["backward_bytes"] == plan[rank]["backward_bytes"], (case["name"], rank)
-            assert got["forward_bytes"] < plan[rank]["dense_forward_bytes"]
+def rows_from_the_reference(case):
+    """Rows each rank must send and receive, counted from the reference's selected sets alone
+    (tests/reference.py, not the plan): for every branch, segment and (kv head, offset) that some
+    query head reads, the sender's selected rows of that segment go to every other rank that holds
+    a selected position of it (under is_causal, only to later ranks). Also the distinct
+    (receiver, kv head, position) triples: the least any scheme could send."""
+    world, n, hq, hkv = case["world"], case["n"], case["Hq"], case["Hkv"]
+    sent, received = [0] * world, [0] * world
+    distinct = [set() for _ in range(world)]
+    for w, r in zip(case["segs"], case["rates"]):
+        units = {}
+        for h in range(hq):
+            units.setdefault((h // (hq // hkv), h % r), h)
+        for (c, _), h in units.items():
+            for sel in selected_sets(world * n, w, r, h, case["hilbert"]):
+                owners = {p // n for p in sel}
+                for src in owners:
+                    rows = [p for p in sel if p // n == src]
+                    for dst in owners - {src}:
+                        if case["causal"] and src > dst:
+                            continue
+                        sent[src] += len(rows)
+                        received[dst] += len(rows)
+                        distinct[src] |= {(dst, c, p) for p in rows}
+    return sent, received, [len(d) for d in distinct]
+
+
+BYTES_CASES = [(CASES_2[0], 2), (CASES_2[2], 2), (CASES_4[0], 4), (CASES_4[1], 4), (CASES_4[2], 4)]
+
+
+@pytest.mark.parametrize("case", [c for c, _ in BYTES_CASES], ids=lambda c: c["name"])
+def test_bytes_sent_are_only_the_selected_rows(case, results2, results4):
+    """The bytes each rank measured (ring.comm_stats) equal the rows counted from the reference's
+    selected sets, which is also the plan's count, and stay far below a dense ring's."""
+    results = results2 if case["world"] == 2 else results4
+    elem = 4  # float32 cases; gradients travel in float32 as well
+    row = case["B"] * 2 * case["D"] * elem  # one k row and one v row
+    sent, received, distinct = rows_from_the_reference(case)
+    plan = plan_bytes(case["n"], case["world"], case["segs"], case["rates"],
+                      hilbert=case["hilbert"], is_causal=case["causal"], batch=case["B"],
+                      num_heads=case["Hq"], num_kv_heads=case["Hkv"], head_dim=case["D"],
+                      element_size=elem, grad_element_size=elem)
+    dense = (case["world"] - 1) * case["Hkv"] * case["n"] * row
+    total = 0
+    for rank in range(case["world"]):
+        got = results[case["name"]][rank]
+        assert "error" not in got, got.get("traceback")
+        assert got["forward_bytes"] == sent[rank] * row == plan[rank]["forward_bytes"], rank
+        # backward: the rows again, then the gradients of what was received go back
+        assert got["backward_bytes"] == (sent[rank] + received[rank]) * row \
+            == plan[rank]["backward_bytes"], rank
+        assert plan[rank]["dense_forward_bytes"] == dense
+        assert got["forward_bytes"] < dense, (rank, got["forward_bytes"], dense)
+        # a row goes at most once per branch that selects it (never once per query head)
+        assert distinct[rank] <= sent[rank] <= len(case["segs"]) * distinct[rank]
+        total += got["forward_bytes"]
+    assert total > 0
 
 
 # --------------------------------------------------------------------------------------------
