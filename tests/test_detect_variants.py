@@ -1,0 +1,432 @@
+"""Hand-written attention in many spellings: every one is found by the one matcher, rewritten,
+and under a non-identity dilated configuration equals the float64 reference, forward and
+backward. Softmaxes that are not attention are left alone; cross-attention is skipped.
+
+Each variant computes the same attention from x with one weight w (q, k, v = the projections of
+x, `project` below) and returns [B, N, E]; only the spelling of the attention differs.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hilbert_fx
+from reference import reference_dilated_attention
+
+W, R = (8, 16), (1, 2)
+B, N, H, D = 2, 24, 4, 8
+E = H * D
+HKV = 2  # key/value heads of the GQA variants
+OP = torch.ops.hilbert_fx.dilated_attention.default
+NEG = float("-inf")
+SCALE = 1.0 / math.sqrt(D)
+
+
+def project(x, w, kv_heads=H):
+    """q [B, H, N, D], k and v [B, kv_heads, N, D] from x [B, N, E]."""
+    b, n, _ = x.shape
+    q, k, v = (x @ w).split([E, kv_heads * D, kv_heads * D], dim=-1)
+    q = q.view(b, n, H, D).transpose(1, 2)
+    k = k.view(b, n, kv_heads, D).transpose(1, 2)
+    v = v.view(b, n, kv_heads, D).transpose(1, 2)
+    return q, k, v
+
+
+def merge(o):
+    """[B, H, N, D] -> [B, N, E]."""
+    return o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
+
+
+def repeat_kv(x, rep):  # as in Hugging Face Llama
+    b, h, n, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, rep, n, d).reshape(b, h * rep, n, d)
+
+
+# ---------------------------------------------------------------------------------------------
+# The variants: (name, function(m, x, keep), mask kind, kv heads). m is the Variant module (its
+# weight m.w, a causal buffer, an nn.Softmax, an nn.Dropout); keep [B, N] is True where a key
+# is real (a padding mask). Mask kinds: None, "causal" or "padding".
+# ---------------------------------------------------------------------------------------------
+def v_matmul_transpose_mul(m, x, keep):
+    q, k, v = project(x, m.w)
+    p = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * SCALE, dim=-1)
+    return merge(torch.matmul(p, v))
+
+
+def v_at_div_sqrt(m, x, keep):
+    q, k, v = project(x, m.w)
+    s = q @ k.transpose(2, 3) / math.sqrt(D)
+    return merge(F.softmax(s, dim=-1) @ v)
+
+
+def v_scale_left_mT(m, x, keep):
+    q, k, v = project(x, m.w)
+    return merge((SCALE * (q @ k.mT)).softmax(dim=-1) @ v)
+
+
+def v_permute_scale_on_q(m, x, keep):
+    q, k, v = project(x, m.w)
+    s = (q * SCALE) @ k.permute(0, 1, 3, 2)
+    return merge(s.softmax(-1) @ v)
+
+
+def v_scale_on_k_sqrt_each(m, x, keep):  # scale split between q and k (as in some ViTs)
+    q, k, v = project(x, m.w)
+    s = (q * D ** -0.25) @ (k * D ** -0.25).transpose(-1, -2)
+    return merge(torch.softmax(s, 3) @ v)
+
+
+def v_einsum(m, x, keep):
+    q, k, v = project(x, m.w)
+    s = torch.einsum("bhnd,bhmd->bhnm", q, k) * SCALE
+    return merge(torch.einsum("bhnm,bhmd->bhnd", s.softmax(-1), v))
+
+
+def v_einsum_heads_last(m, x, keep):  # [B, N, H, D] operands, output straight to [B, N, H, D]
+    b, n, _ = x.shape
+    q, k, v = (t.view(b, n, H, D) for t in (x @ m.w).chunk(3, dim=-1))
+    s = torch.einsum("bnhd,bmhd->bhnm", q, k)
+    p = torch.softmax(s / math.sqrt(D), dim=-1)
+    return torch.einsum("bhnm,bmhd->bnhd", p, v).reshape(b, n, E)
+
+
+def v_bmm_folded_heads(m, x, keep):
+    q, k, v = (t.reshape(B * H, N, D) for t in project(x, m.w))
+    p = torch.bmm(q, k.transpose(1, 2)).mul(SCALE).softmax(-1)
+    return merge(torch.bmm(p, v).view(B, H, N, D))
+
+
+def v_baddbmm_alpha(m, x, keep):  # Bloom-style: baddbmm with beta=0 and the scale as alpha
+    q, k, v = (t.reshape(B * H, N, D) for t in project(x, m.w))
+    zeros = torch.zeros(B * H, N, N, dtype=x.dtype)
+    s = torch.baddbmm(zeros, q, k.transpose(-1, -2), beta=0.0, alpha=SCALE)
+    return merge(torch.bmm(F.softmax(s, dim=-1), v).view(B, H, N, D))
+
+
+def v_float_casts(m, x, keep):
+    q, k, v = project(x, m.w)
+    s = torch.matmul(q, k.transpose(-1, -2)) * SCALE
+    p = F.softmax(s.float(), dim=-1, dtype=torch.float32).to(q.dtype)
+    return merge(torch.matmul(p, v))
+
+
+def v_private_softmax_inplace_scale(m, x, keep):
+    q, k, v = project(x, m.w)
+    s = q @ k.transpose(-1, -2)
+    s.mul_(SCALE)
+    return merge(torch._softmax(s, -1, False) @ v)
+
+
+def v_softmax_module_dropout_module(m, x, keep):
+    q, k, v = project(x, m.w)
+    p = m.drop(m.softmax(q @ k.transpose(-1, -2) * SCALE))
+    return merge(p @ v)
+
+
+def v_functional_dropout(m, x, keep):
+    q, k, v = project(x, m.w)
+    p = F.dropout(torch.softmax(q @ k.transpose(-1, -2) * SCALE, -1), p=0.25, training=m.training)
+    return merge(p @ v)
+
+
+def v_causal_buffer(m, x, keep):  # GPT-2 (old style): a registered lower-triangular buffer
+    q, k, v = project(x, m.w)
+    s = q @ k.transpose(-1, -2) / math.sqrt(D)
+    n = s.shape[-1]
+    s = s.masked_fill(m.bias[:, :, :n, :n] == 0, NEG)
+    return merge(s.softmax(-1) @ v)
+
+
+def v_causal_buffer_where(m, x, keep):  # GPT-2 (transformers 4.x): where(buffer, s, min)
+    q, k, v = project(x, m.w)
+    s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D)
+    n = s.shape[-1]
+    causal = m.bias[:, :, :n, :n].bool()
+    s = torch.where(causal, s, torch.tensor(torch.finfo(s.dtype).min, dtype=s.dtype))
+    return merge(s.softmax(-1) @ v)
+
+
+def v_causal_tril(m, x, keep):
+    q, k, v = project(x, m.w)
+    s = q @ k.transpose(-1, -2) * SCALE
+    tri = torch.tril(torch.ones(N, N))
+    return merge(s.masked_fill(tri == 0, NEG).softmax(-1) @ v)
+
+
+def v_causal_triu_inplace(m, x, keep):
+    q, k, v = project(x, m.w)
+    s = q @ k.transpose(-1, -2) * SCALE
+    s.masked_fill_(torch.triu(torch.ones(N, N, dtype=torch.bool), diagonal=1), NEG)
+    return merge(s.softmax(-1) @ v)
+
+
+def v_causal_arange(m, x, keep):
+    q, k, v = project(x, m.w)
+    s = q @ k.transpose(-1, -2) * SCALE
+    i = torch.arange(N)[:, None]
+    j = torch.arange(N)[None, :]
+    return merge(torch.where(j <= i, s, NEG).softmax(-1) @ v)
+
+
+def v_causal_additive(m, x, keep):  # a float triangle of -inf added, the scale after it
+    q, k, v = project(x, m.w)
+    bias = torch.full((N, N), NEG).triu(1)
+    s = (q @ k.transpose(-1, -2) + bias) * SCALE
+    return merge(s.softmax(-1) @ v)
+
+
+def v_causal_gqa_repeat_kv(m, x, keep):  # Llama eager: repeat_kv, causal float mask added
+    q, k, v = project(x, m.w, HKV)
+    k, v = repeat_kv(k, H // HKV), repeat_kv(v, H // HKV)
+    mask = torch.full((N, N), torch.finfo(x.dtype).min).triu(1)[None, None]
+    s = torch.matmul(q, k.transpose(2, 3)) * SCALE + mask
+    p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return merge(torch.matmul(p, v))
+
+
+def v_gqa_repeat_interleave(m, x, keep):
+    q, k, v = project(x, m.w, HKV)
+    k, v = k.repeat_interleave(H // HKV, dim=1), v.repeat_interleave(H // HKV, dim=1)
+    return merge(F.softmax(q @ k.transpose(-1, -2) * SCALE, dim=3) @ v)
+
+
+def v_padding_masked_fill(m, x, keep):
+    q, k, v = project(x, m.w)
+    s = q @ k.transpose(-1, -2) * SCALE
+    return merge(s.masked_fill(~keep[:, None, None, :], NEG).softmax(-1) @ v)
+
+
+def v_padding_where(m, x, keep):
+    q, k, v = project(x, m.w)
+    s = torch.einsum("bhid,bhjd->bhij", q, k) * SCALE
+    s = s.where(keep[:, None, None, :], torch.finfo(s.dtype).min)
+    return merge(torch.einsum("bhij,bhjd->bhid", s.softmax(-1), v))
+
+
+def v_padding_additive_bert(m, x, keep):  # BERT: (1 - mask) * min, added after the scale
+    q, k, v = project(x, m.w)
+    ext = (1.0 - keep[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
+    s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D)
+    s = s + ext
+    return merge(torch.matmul(s.softmax(-1), v))
+
+
+def v_padding_inplace_add_folded(m, x, keep):  # heads folded, mask added in place
+    q, k, v = (t.reshape(B * H, N, D) for t in project(x, m.w))
+    s = torch.bmm(q * SCALE, k.transpose(1, 2))
+    s += torch.zeros(B, 1, N, dtype=x.dtype).masked_fill(~keep[:, None, :], NEG).repeat_interleave(H, 0)
+    return merge(torch.bmm(s.softmax(-1), v).view(B, H, N, D))
+
+
+VARIANTS = [
+    (v_matmul_transpose_mul, None, H),
+    (v_at_div_sqrt, None, H),
+    (v_scale_left_mT, None, H),
+    (v_permute_scale_on_q, None, H),
+    (v_scale_on_k_sqrt_each, None, H),
+    (v_einsum, None, H),
+    (v_einsum_heads_last, None, H),
+    (v_bmm_folded_heads, None, H),
+    (v_baddbmm_alpha, None, H),
+    (v_float_casts, None, H),
+    (v_private_softmax_inplace_scale, None, H),
+    (v_softmax_module_dropout_module, None, H),
+    (v_functional_dropout, None, H),
+    (v_causal_buffer, "causal", H),
+    (v_causal_buffer_where, "causal", H),
+    (v_causal_tril, "causal", H),
+    (v_causal_triu_inplace, "causal", H),
+    (v_causal_arange, "causal", H),
+    (v_causal_additive, "causal", H),
+    (v_causal_gqa_repeat_kv, "causal", HKV),
+    (v_gqa_repeat_interleave, None, HKV),
+    (v_padding_masked_fill, "padding", H),
+    (v_padding_where, "padding", H),
+    (v_padding_additive_bert, "padding", H),
+    (v_padding_inplace_add_folded, "padding", H),
+]
+
+
+class Variant(nn.Module):
+    def __init__(self, fn, kv_heads=H):
+        super().__init__()
+        self.fn = fn
+        self.w = nn.Parameter(torch.randn(E, E + 2 * kv_heads * D) * E ** -0.5)
+        self.register_buffer("bias", torch.tril(torch.ones(64, 64)).view(1, 1, 64, 64))
+        self.softmax = nn.Softmax(dim=-1)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x, keep):
+        return self.fn(self, x, keep)
+
+
+class Recorder:
+    """A backend that runs the pass (no Inductor) and keeps the rewritten graphs and sites."""
+    def __init__(self):
+        self.inner = hilbert_fx.backend(W, R, hilbert=True, lowering="sdpa")
+        self.graphs, self.sites = [], []
+
+    def __call__(self, gm, example_inputs):
+        self.sites += self.inner.transform(gm).sites
+        self.graphs.append(gm)
+        return gm.forward
+
+
+def compile_and_record(model, *args):
+    torch._dynamo.reset()
+    rec = Recorder()
+    out = torch.compile(model, backend=rec, fullgraph=True)(*args)
+    return out, rec
+
+
+def op_calls(rec):
+    return [n for gm in rec.graphs for n in gm.graph.nodes if n.target is OP]
+
+
+def inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, N, E, generator=g)
+    keep = torch.ones(B, N, dtype=torch.bool)
+    keep[1, -7:] = False
+    return x, keep
+
+
+def reference(model, x, keep, mask_kind, kv_heads):
+    q, k, v = project(x.double(), model.w.double(), kv_heads)
+    kwargs = {}
+    if mask_kind == "causal":
+        kwargs["is_causal"] = True
+    elif mask_kind == "padding":
+        kwargs["attn_mask"] = keep[:, None, None, :]
+    out = reference_dilated_attention(q, k, v, W, R, hilbert=True, enable_gqa=kv_heads != H,
+                                      **kwargs)
+    return merge(out)
+
+
+@pytest.mark.parametrize("fn,mask_kind,kv_heads", VARIANTS, ids=[v[0].__name__[2:] for v in VARIANTS])
+def test_variant_is_found_rewritten_and_exact(fn, mask_kind, kv_heads):
+    torch.manual_seed(0)
+    model = Variant(fn, kv_heads).eval()
+    x, keep = inputs(1)
+    x.requires_grad_(True)
+    out, rec = compile_and_record(model, x, keep)
+    assert [(s.kind, s.action, s.reason) for s in rec.sites] == [("manual", "rewritten", "")]
+    (call,) = op_calls(rec)
+    is_causal, mask = call.args[6], call.args[7]
+    assert is_causal == (mask_kind == "causal")
+    if mask_kind != "padding":
+        assert mask is None, "no mask may be materialised for a causal triangle"
+        for gm in rec.graphs:  # nothing [.., N, N] is computed any more
+            for node in gm.graph.nodes:
+                ex = node.meta.get("example_value")
+                if node.op != "placeholder" and isinstance(ex, torch.Tensor) and ex.dim() >= 2:
+                    assert tuple(ex.shape[-2:]) != (N, N), f"{node.format_node()} left in the graph"
+    assert (call.args[1].meta.get("example_value") is None
+            or call.args[1].meta["example_value"].shape[1] == kv_heads)
+
+    # fresh inputs on the compiled graph, against the float64 reference
+    x2, keep2 = inputs(2)
+    x2.requires_grad_(True)
+    compiled = torch.compile(model, backend=rec, fullgraph=True)
+    out = compiled(x2, keep2)
+    x_ref = x2.detach().double().requires_grad_(True)
+    expected = reference(model, x_ref, keep2, mask_kind, kv_heads)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+    grad = torch.randn_like(expected)
+    gx, gw = torch.autograd.grad(out, (x2, model.w), grad.float())
+    gx_ref, gw_ref = torch.autograd.grad(expected, (x_ref, model.w), grad)
+    torch.testing.assert_close(gx.double(), gx_ref, atol=5e-5, rtol=1e-3)
+    torch.testing.assert_close(gw, gw_ref, atol=5e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("fn", [v_softmax_module_dropout_module, v_functional_dropout])
+def test_dropout_on_the_probabilities_becomes_the_ops_dropout(fn):
+    torch.manual_seed(0)
+    model = Variant(fn).train()
+    x, keep = inputs(1)
+    _, rec = compile_and_record(model, x, keep)
+    assert [(s.action, s.dropout_p) for s in rec.sites] == [("rewritten", 0.1 if "module" in fn.__name__ else 0.25)]
+    (call,) = op_calls(rec)
+    assert call.args[8] == rec.sites[0].dropout_p
+    code = "\n".join(gm.code for gm in rec.graphs)
+    assert "dropout(" not in code.replace("dilated_attention", "")
+
+
+# ---------------------------------------------------------------------------------------------
+# What is not self-attention
+# ---------------------------------------------------------------------------------------------
+class NotAttention(nn.Module):
+    """A classifier head, an MoE router, and attention-like products softmaxed over queries."""
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(E, 3 * E) * E ** -0.5)
+        self.head = nn.Linear(E, 10)
+        self.router = nn.Linear(E, 4)
+        self.experts = nn.Parameter(torch.randn(4, E, E) * E ** -0.5)
+
+    def forward(self, x):
+        q, k, v = project(x, self.w)
+        columns = (q @ k.transpose(-1, -2) * SCALE).softmax(dim=-2) @ v   # softmax over queries
+        y = x + merge(columns)
+        gates = F.softmax(self.router(y), dim=-1)                         # MoE router
+        top, idx = gates.topk(2, dim=-1)
+        mixed = torch.einsum("bne,xef->bnxf", y, self.experts)
+        y = y + (mixed * gates[..., None]).sum(2)
+        logits = self.head(y.mean(1))
+        return F.softmax(logits, dim=-1), top, idx                        # classifier head
+
+
+def test_softmaxes_that_are_not_self_attention_are_not_rewritten():
+    torch.manual_seed(0)
+    model = NotAttention()
+    x, _ = inputs(1)
+    report = hilbert_fx.explain(model, x, backend=hilbert_fx.backend(W, R, lowering="sdpa"))
+    assert all(s.action == "skipped" for s in report.sites), report
+    assert len(report.sites) <= 1, report  # only the softmax over queries looks like attention
+    for s in report.sites:
+        assert "dim" in s.reason, s.reason
+    assert "dilated_attention" not in "".join(report.graph_after)
+    out = torch.compile(model, backend=hilbert_fx.backend(W, R, lowering="sdpa"))(x)
+    for a, b in zip(out, model(x)):
+        torch.testing.assert_close(a, b)
+
+
+class ManualCross(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq = nn.Parameter(torch.randn(E, E) * E ** -0.5)
+        self.wkv = nn.Parameter(torch.randn(E, 2 * E) * E ** -0.5)
+
+    def forward(self, x, memory):
+        b, n, _ = x.shape
+        q = (x @ self.wq).view(b, n, H, D).transpose(1, 2)
+        k, v = (memory @ self.wkv).view(b, memory.shape[1], 2, H, D).permute(2, 0, 3, 1, 4)
+        return merge(torch.softmax(q @ k.transpose(-1, -2) * SCALE, -1) @ v)
+
+
+@pytest.mark.parametrize("n_memory", [N, N + 5])
+def test_hand_written_cross_attention_is_skipped_with_its_reason(n_memory):
+    model = ManualCross()
+    x, memory = torch.randn(B, N, E), torch.randn(B, n_memory, E)
+    report = hilbert_fx.explain(model, x, memory, backend=hilbert_fx.backend(W, R, lowering="sdpa"))
+    assert [(s.kind, s.action) for s in report.sites] == [("manual", "skipped")], report
+    reason = report.sites[0].reason
+    assert ("cross-attention" in reason) if n_memory == N else ("different lengths" in reason), reason
+    out = torch.compile(model, backend=hilbert_fx.backend(W, R, lowering="sdpa"))(x, memory)
+    torch.testing.assert_close(out, model(x, memory))
+
+
+def test_returned_attention_weights_are_skipped_with_their_reason():
+    def attention(x, w):
+        q, k, v = project(x, w)
+        p = torch.softmax(q @ k.transpose(-1, -2) * SCALE, -1)
+        return merge(p @ v), p
+
+    x, w = torch.randn(B, N, E), torch.randn(E, 3 * E)
+    report = hilbert_fx.explain(attention, x, w, backend=hilbert_fx.backend(W, R, lowering="sdpa"))
+    assert [(s.action, s.reason) for s in report.sites] == [
+        ("skipped", "attention weights are used outside the attention")], report
