@@ -15,7 +15,8 @@ into the rows it covers by log-sum-exp in float32 (float64 for float64 inputs).
 
 Backward (FlashAttention-2 style, with the final out and lse): the received rows are fetched
 again rather than kept, each block's dq stays local, and the dk/dv of rows that came from a peer
-are summed per row and sent back to their owner (in float32), which adds them to its own.
+are summed per row and sent back to their owner (in float32), which adds them to its own. About
+half the local work runs while the rows travel in, the rest while the last gradients travel back.
 
 Every call starts with one small all_gather in which each rank states its shard length, a hash of
 its configuration and any error it found in its arguments; every rank then reaches the same
@@ -378,6 +379,17 @@ def _query_side(dout_c, out_c, lse_pad, heads, rows, valid):
     return dog, og, lg
 
 
+def _work_split(blocks) -> int:
+    """The index that cuts the blocks into two runs of about equal work (G x L x L each)."""
+    work = [b.rows.shape[0] * b.rows.shape[1] * b.rows.shape[2] ** 2 for b in blocks]
+    half, acc = sum(work) / 2, 0
+    for i, w in enumerate(work):
+        if acc + w >= half:
+            return i + 1 if acc + w - half < half - acc else i
+        acc += w
+    return len(blocks)
+
+
 def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, group, *, is_causal, scale,
                    dropout_p, seed):
     b, hq, n, d = q.shape
@@ -398,7 +410,7 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, group, *, is_causal,
     dk = torch.zeros(b, hkv, n + 1, dk_dim, dtype=wide, device=q.device)
     dv = torch.zeros(b, hkv, n + 1, dv_dim, dtype=wide, device=q.device)
 
-    for blk in plan.local_blocks:
+    def local_block(blk):
         bias = _key_bias(blk.valid, dtype) if blk.padded and not is_causal else None
         keep = _keep(seed, b, heads, blk.pos, blk.pos, dropout_p) if dropout_p > 0 else None
         dog, og, lg = _query_side(dout_c, out_c, lse_pad, heads, blk.rows, blk.valid)
@@ -409,6 +421,14 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, group, *, is_causal,
         _add_rows(dq, heads, blk.rows, gq)
         _add_rows(dk, kv_heads, blk.rows, gk)
         _add_rows(dv, kv_heads, blk.rows, gv)
+
+    # About half the local work runs while the key/value rows travel, the other half while the
+    # gradients of the last peer's rows travel back (the others' overlap the next peer's blocks).
+    split = _work_split(plan.local_blocks) if any(s.recv_rows or s.send_count
+                                                  for s in plan.steps) \
+        else len(plan.local_blocks)
+    for blk in plan.local_blocks[:split]:
+        local_block(blk)
 
     grads_posted = []
     for step, (works, buf, _) in zip(plan.steps, posted):
@@ -444,6 +464,9 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, group, *, is_causal,
                                device=q.device)
             ops.append(dist.P2POp(dist.irecv, recv, _global(group, step.send_to), group, 3))
         grads_posted.append((dist.batch_isend_irecv(ops) if ops else [], recv, payload))
+
+    for blk in plan.local_blocks[split:]:
+        local_block(blk)
 
     for step, (works, recv, _) in zip(plan.steps, grads_posted):
         _wait(works)

@@ -54,7 +54,7 @@ def _np(t):
 # ---------------------------------------------------------------------------------------------
 # What a rank does for each kind of case.
 
-def _run_attention(case, rank, mesh):
+def _run_attention(case, rank, mesh, between=None):
     from lowering import ring
     q, k, v, dout = full_inputs(case)
     n = case["n"]
@@ -78,6 +78,8 @@ def _run_attention(case, rank, mesh):
             is_causal=case["causal"], dropout_p=case.get("dropout_p", 0.0), seed=seed,
             scale=case.get("scale"), lowering="sdpa", mesh=mesh)
     mid = ring.comm_stats()
+    if between is not None:
+        between()
     out.backward(dout[:, :, sl])
     after = ring.comm_stats()
     return {"out": _np(out), "dq": _np(ql.grad), "dk": _np(kl.grad), "dv": _np(vl.grad),
@@ -139,7 +141,38 @@ def compiled_inputs(case):
     return tokens, weight
 
 
-KINDS = {"attention": _run_attention, "error": _run_error, "compiled": _run_compiled}
+def _run_overlap(case, rank, mesh):
+    """The order in which the op posts messages, waits for them and computes blocks."""
+    from lowering import ring
+    events = []
+    saved = (ring.dist.batch_isend_irecv, ring._wait, ring.block_attention.forward,
+             ring.block_attention.backward)
+
+    def logged(name, fn):
+        def call(*a, **kw):
+            events.append(name)
+            return fn(*a, **kw)
+        return call
+    ring.dist.batch_isend_irecv = logged("post", saved[0])
+    ring._wait = logged("wait", saved[1])
+    ring.block_attention.forward = logged("compute", saved[2])
+    ring.block_attention.backward = logged("compute", saved[3])
+    forward = []
+
+    def between():
+        forward.extend(events)
+        events.clear()
+    try:
+        res = _run_attention(case, rank, mesh, between)
+    finally:
+        (ring.dist.batch_isend_irecv, ring._wait, ring.block_attention.forward,
+         ring.block_attention.backward) = saved
+    res.update(events_forward=forward, events_backward=list(events))
+    return res
+
+
+KINDS = {"attention": _run_attention, "error": _run_error, "compiled": _run_compiled,
+         "overlap": _run_overlap}
 
 
 def _main(rank, world, port, cases, results):

@@ -72,6 +72,10 @@ ERROR_CASES = [
     error_case("err_invalid_on_one_rank", dict(BASE, front="checked"),
                {1: dict(segs=(4, 6), rates=(1, 4))}, r"multiple of its dilation rate"),
 ]
+# the order of posts, waits and block computations (communication overlaps computation)
+OVERLAP = attention_case("p2_overlap", 2, 24, (8, 48), (1, 4), hilbert=True, seed=6)
+OVERLAP["kind"] = "overlap"
+
 # after the errors the same processes must still compute correctly: a last case checks it
 AFTER_ERRORS = attention_case("p2_after_errors", 2, 8, (4, 16), (1, 2), seed=9)
 
@@ -82,7 +86,7 @@ COMPILED = dict(kind="compiled", name="compiled_model", world=2, n=24, B=2, segs
 
 @pytest.fixture(scope="module")
 def results2():
-    return ring_worker.launch(2, ERROR_CASES + [AFTER_ERRORS] + CASES_2 + [COMPILED],
+    return ring_worker.launch(2, ERROR_CASES + [AFTER_ERRORS] + CASES_2 + [OVERLAP, COMPILED],
                               timeout=300)
 
 
@@ -303,3 +307,19 @@ def test_compiled_model_with_mesh_equals_one_process(results2):
                      f"compiled output rank {rank}", 2e-5)
     for name, p in model.named_parameters():
         assert_close(per_rank[0]["grads"][name], p.grad, f"grad of {name}", 2e-5)
+
+
+def test_messages_are_posted_before_compute_and_overlap_it(results2):
+    """Forward: every message is posted before the first block is computed, and local blocks
+    are computed before the first wait. Backward: the same for the key/value rows, and some local
+    blocks are computed after the gradients are posted, while they travel back."""
+    check_case(OVERLAP, results2)
+    for rank in (0, 1):
+        res = results2[OVERLAP["name"]][rank]
+        fwd, bwd = res["events_forward"], res["events_backward"]
+        assert fwd.count("post") == 1 and fwd.index("post") == 0, fwd
+        assert "compute" in fwd[:fwd.index("wait")], fwd
+        assert bwd.index("post") == 0 and "compute" in bwd[:bwd.index("wait")], bwd
+        last_post = len(bwd) - 1 - bwd[::-1].index("post")  # the gradients' post
+        assert bwd.count("post") == 2 and "compute" in bwd[last_post:], bwd
+
