@@ -82,6 +82,9 @@ AFTER_ERRORS = attention_case("p2_after_errors", 2, 8, (4, 16), (1, 2), seed=9)
 COMPILED = dict(kind="compiled", name="compiled_model", world=2, n=24, B=2, segs=[8, 48],
                 rates=[1, 4], hilbert=True, seed=0,
                 model=dict(width=32, heads=4, layers=1, causal=True, kv_heads=2))
+# four ranks of 12 positions: w = 24 spans two shards, w = 48 all four
+COMPILED_4 = dict(COMPILED, name="compiled_model_4", world=4, n=12, B=1, segs=[6, 24, 48],
+                  rates=[1, 2, 4], seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +95,7 @@ def results2():
 
 @pytest.fixture(scope="module")
 def results4():
-    return ring_worker.launch(4, CASES_4 + ERROR_CASES[:2], timeout=300)
+    return ring_worker.launch(4, CASES_4 + ERROR_CASES[:2] + [COMPILED_4], timeout=300)
 
 
 def assert_close(got, ref, what, rel):
@@ -283,12 +286,12 @@ def test_gqa_sends_each_row_once_per_offset():
 # --------------------------------------------------------------------------------------------
 # The pass: a model compiled with a mesh equals the same model compiled in one process.
 
-def test_compiled_model_with_mesh_equals_one_process(results2):
+@pytest.mark.parametrize("case", [COMPILED, COMPILED_4], ids=lambda c: c["name"])
+def test_compiled_model_with_mesh_equals_one_process(case, results2, results4):
     import hilbert_fx
     from models import TinyTransformer
-    case = COMPILED
-    per_rank = results2[case["name"]]
-    for rank in (0, 1):
+    per_rank = (results2 if case["world"] == 2 else results4)[case["name"]]
+    for rank in range(case["world"]):
         assert "error" not in per_rank[rank], per_rank[rank].get("traceback")
     graph = "\n".join(per_rank[0]["graph_after"])
     assert "torch.ops.hilbert_fx.ring_dilated_attention.default" in graph, graph
@@ -302,7 +305,7 @@ def test_compiled_model_with_mesh_equals_one_process(results2):
     y = torch.compile(model, backend=be)(tokens)
     (y * weight).sum().backward()
     n = case["n"]
-    for rank in (0, 1):
+    for rank in range(case["world"]):
         assert_close(per_rank[rank]["out"], y[:, rank * n:(rank + 1) * n],
                      f"compiled output rank {rank}", 2e-5)
     for name, p in model.named_parameters():
