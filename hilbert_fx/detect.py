@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .dataflow import DataFlow
+from .dataflow import DataFlow, Sel, Tri, _same_size
 from .sites import Site, example, module_stack
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
@@ -49,9 +49,40 @@ class MaskTerm:
     factor: float = 1.0
 
 
-def classify_mask(flow: DataFlow, term: MaskTerm, n: int) -> str:
+def classify_mask(flow: DataFlow, term: MaskTerm, n) -> str:
     """"all" (a constant that allows everything), "causal" (a constant causal triangle over
-    n x n, whatever its leading dims) or "general"."""
+    n x n, whatever its leading dims) or "general". With static shapes the mask is evaluated;
+    with a symbolic n it must be proved a triangle for every n (DataFlow.triangle)."""
+    if not isinstance(n, int):
+        return "causal" if _symbolic_causal(flow, term, n) else "general"
+    kind = _concrete_kind(flow, term, n)
+    if kind == "general" and _symbolic_causal(flow, term, n):
+        return "causal"
+    return kind
+
+
+def _symbolic_causal(flow: DataFlow, term: MaskTerm, n) -> bool:
+    ex = example(term.node)
+    if not isinstance(ex, torch.Tensor) or ex.dim() < 2:
+        return False
+    if not (_same_size(ex.shape[-1], n) and _same_size(ex.shape[-2], n)):
+        return False
+    value = flow.triangle(term.node)
+    allow_lower, forbid_upper = Tri(True, 0), Tri(False, 1)
+    if term.kind == "allow":
+        return value == allow_lower
+    if term.kind == "forbid":
+        return value == forbid_upper
+    if isinstance(value, Sel):
+        a, b = value.a * term.factor, value.b * term.factor
+        if a == 0 and b <= FORBIDDEN:
+            return value.tri == allow_lower
+        if b == 0 and a <= FORBIDDEN:
+            return value.tri == forbid_upper
+    return False
+
+
+def _concrete_kind(flow: DataFlow, term: MaskTerm, n: int) -> str:
     value = flow.constant_value(term.node)
     if not isinstance(value, torch.Tensor):
         return "general"

@@ -153,28 +153,30 @@ def v_causal_buffer_where(m, x, keep):  # GPT-2 (transformers 4.x): where(buffer
 def v_causal_tril(m, x, keep):
     q, k, v = project(x, m.w)
     s = q @ k.transpose(-1, -2) * SCALE
-    tri = torch.tril(torch.ones(N, N))
+    n = x.shape[1]
+    tri = torch.tril(torch.ones(n, n))
     return merge(s.masked_fill(tri == 0, NEG).softmax(-1) @ v)
 
 
 def v_causal_triu_inplace(m, x, keep):
     q, k, v = project(x, m.w)
     s = q @ k.transpose(-1, -2) * SCALE
-    s.masked_fill_(torch.triu(torch.ones(N, N, dtype=torch.bool), diagonal=1), NEG)
+    n = x.shape[1]
+    s.masked_fill_(torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1), NEG)
     return merge(s.softmax(-1) @ v)
 
 
 def v_causal_arange(m, x, keep):
     q, k, v = project(x, m.w)
     s = q @ k.transpose(-1, -2) * SCALE
-    i = torch.arange(N)[:, None]
-    j = torch.arange(N)[None, :]
+    i = torch.arange(x.shape[1])[:, None]
+    j = torch.arange(x.shape[1])[None, :]
     return merge(torch.where(j <= i, s, NEG).softmax(-1) @ v)
 
 
 def v_causal_additive(m, x, keep):  # a float triangle of -inf added, the scale after it
     q, k, v = project(x, m.w)
-    bias = torch.full((N, N), NEG).triu(1)
+    bias = torch.full((x.shape[1], x.shape[1]), NEG).triu(1)
     s = (q @ k.transpose(-1, -2) + bias) * SCALE
     return merge(s.softmax(-1) @ v)
 
@@ -182,7 +184,8 @@ def v_causal_additive(m, x, keep):  # a float triangle of -inf added, the scale 
 def v_causal_gqa_repeat_kv(m, x, keep):  # Llama eager: repeat_kv, causal float mask added
     q, k, v = project(x, m.w, HKV)
     k, v = repeat_kv(k, H // HKV), repeat_kv(v, H // HKV)
-    mask = torch.full((N, N), torch.finfo(x.dtype).min).triu(1)[None, None]
+    n = x.shape[1]
+    mask = torch.full((n, n), torch.finfo(x.dtype).min).triu(1)[None, None]
     s = torch.matmul(q, k.transpose(2, 3)) * SCALE + mask
     p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
     return merge(torch.matmul(p, v))
@@ -287,10 +290,10 @@ def op_calls(rec):
     return [n for gm in rec.graphs for n in gm.graph.nodes if n.target is OP]
 
 
-def inputs(seed):
+def inputs(seed, n=N):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, N, E, generator=g)
-    keep = torch.ones(B, N, dtype=torch.bool)
+    x = torch.randn(B, n, E, generator=g)
+    keep = torch.ones(B, n, dtype=torch.bool)
     keep[1, -7:] = False
     return x, keep
 
@@ -341,6 +344,60 @@ def test_variant_is_found_rewritten_and_exact(fn, mask_kind, kv_heads):
     gx_ref, gw_ref = torch.autograd.grad(expected, (x_ref, model.w), grad)
     torch.testing.assert_close(gx.double(), gx_ref, atol=5e-5, rtol=1e-3)
     torch.testing.assert_close(gw, gw_ref, atol=5e-5, rtol=1e-3)
+
+
+CAUSAL = [v for v in VARIANTS if v[1] == "causal"]
+
+
+@pytest.mark.parametrize("fn,mask_kind,kv_heads", CAUSAL, ids=[v[0].__name__[2:] for v in CAUSAL])
+def test_causal_triangles_are_proved_for_every_length_under_dynamic_shapes(fn, mask_kind, kv_heads):
+    """With a symbolic length the triangle cannot be evaluated once: it is read symbolically."""
+    torch.manual_seed(0)
+    model = Variant(fn, kv_heads).eval()
+    x, keep = inputs(1, n=21)
+    torch._dynamo.reset()
+    rec = Recorder()
+    compiled = torch.compile(model, backend=rec, dynamic=True, fullgraph=True)
+    compiled(x, keep)
+    (call,) = op_calls(rec)
+    assert isinstance(call.args[0].meta["example_value"].shape[2], torch.SymInt)
+    assert (call.args[6], call.args[7]) == (True, None), rec.sites[0]
+    for n in (19, 30):  # the same graph at other lengths, against the reference
+        x, keep = inputs(n, n=n)
+        expected = reference(model, x, keep, mask_kind, kv_heads)
+        torch.testing.assert_close(compiled(x, keep).double(), expected, atol=2e-5, rtol=1e-4)
+    assert len(rec.graphs) == 1
+
+
+def v_strict_arange(m, x, keep):  # j < i: the diagonal is forbidden, so not the causal triangle
+    q, k, v = project(x, m.w)
+    s = q @ k.transpose(-1, -2) * SCALE
+    i, j = torch.arange(x.shape[1])[:, None], torch.arange(x.shape[1])[None, :]
+    s = torch.where(j < i, s, NEG)
+    return merge(torch.nan_to_num(s.softmax(-1)) @ v)
+
+
+def v_shifted_arange(m, x, keep):  # j <= i + 1: one step past the diagonal
+    q, k, v = project(x, m.w)
+    s = q @ k.transpose(-1, -2) * SCALE
+    i, j = torch.arange(x.shape[1])[:, None], torch.arange(x.shape[1])[None, :] - 1
+    return merge(torch.where(j <= i, s, NEG).softmax(-1) @ v)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_near_causal_triangles_are_not_taken_for_causal(dynamic):
+    model = Variant(v_shifted_arange).eval()
+    x, keep = inputs(1, n=21)
+    torch._dynamo.reset()
+    rec = Recorder()
+    torch.compile(model, backend=rec, dynamic=dynamic, fullgraph=True)(x, keep)
+    (call,) = op_calls(rec)
+    assert call.args[6] is False and call.args[7] is not None
+    model = Variant(v_strict_arange).eval()
+    torch._dynamo.reset()
+    rec = Recorder()
+    torch.compile(model, backend=rec, dynamic=dynamic, fullgraph=True)(x, keep)
+    assert all(c.args[6] is False for c in op_calls(rec))
 
 
 @pytest.mark.parametrize("fn", [v_softmax_module_dropout_module, v_functional_dropout])
