@@ -63,7 +63,8 @@ def _flex_fn(n, h, segment_lengths, dilation_rates, hilbert, causal, device):
     def score_mod(score, b, hd, qi, ki):
         return score + torch.log(count(hd, qi, ki).clamp(min=1).to(score.dtype))
 
-    block_mask = create_block_mask(mask_mod, None, h, n, n, device=device)
+    # _compile: built block by block, never as an [H, N, N] tensor (32 GB at N = 16K, H = 16)
+    block_mask = create_block_mask(mask_mod, None, h, n, n, device=device, _compile=True)
     compiled = torch.compile(flex_attention)
     return lambda q, k, v: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
 

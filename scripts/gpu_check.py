@@ -96,21 +96,24 @@ def main():
              f"bf16+mask -> {block_attention.kernel_for(torch.device('cuda'), torch.bfloat16, 64, True, False)}",
              f"{'lowering':8} {'dtype':9} {'case':16} {'out':>9} {'dq':>9} {'dk':>9} {'dv':>9}  ok"]
     worst = {}
+    print("\n".join(lines), flush=True)
     for lw, dt, case in itertools.product(args.lowerings, args.dtypes, CASES):
         dtype = getattr(torch, dt)
         try:
             errs, finite = run_case(case, lw, dtype, device)
         except Exception as e:  # noqa: BLE001 - report and go on to the next case
             lines.append(f"{lw:8} {dt:9} {case[0]:16} ERROR {type(e).__name__}: {str(e)[:200]}")
+            print(lines[-1], flush=True)
             continue
         tol = 2e-3 if dt == "float32" else 2e-2
         ok = finite and max(errs) < tol
         worst[(lw, dt)] = max(worst.get((lw, dt), 0.0), max(errs))
         lines.append(f"{lw:8} {dt:9} {case[0]:16} " + " ".join(f"{e:9.2e}" for e in errs)
                      + f"  {'PASS' if ok else 'FAIL'}")
+        print(lines[-1], flush=True)
     lines.append("worst relative error: " + ", ".join(f"{k[0]}/{k[1]} {v:.2e}" for k, v in worst.items()))
     text = "\n".join(lines)
-    print(text)
+    print(lines[-1])
     with open(os.path.join(args.out, "gpu_check.txt"), "w") as f:
         f.write(text + "\n")
 
