@@ -18,10 +18,11 @@ again rather than kept, each block's dq stays local, and the dk/dv of rows that 
 are summed per row and sent back to their owner (in float32), which adds them to its own. About
 half the local work runs while the rows travel in, the rest while the last gradients travel back.
 
-Every call starts with one small all_gather in which each rank states its shard length, a hash of
-its configuration and any error it found in its arguments; every rank then reaches the same
-decision, so shards of unequal length, configurations that differ across ranks and arguments
-that one rank rejects raise ValueError on every rank instead of hanging.
+Every call starts with one small exchange through the process group's store (host only: it
+neither waits for the GPU nor needs a process group of its own) in which each rank states its
+shard length, a hash of its configuration and any error it found in its arguments; every rank
+then reaches the same decision, so shards of unequal length, configurations that differ across
+ranks and arguments that one rank rejects raise ValueError on every rank instead of hanging.
 
 Kernels: blocks run on lowering/block_attention.py (the SDPA kernels) whatever `lowering` says;
 the lowering is carried so that the rewritten graph shows it, as for the single-device op.
@@ -56,7 +57,7 @@ _STATS = {"forward_bytes": 0, "backward_bytes": 0, "forward_calls": 0, "backward
 
 
 def comm_stats() -> dict:
-    """Bytes this process has sent (point to point, excluding the small agreement all_gather)."""
+    """Bytes this process has sent (point to point, excluding the small agreement through the store)."""
     return dict(_STATS)
 
 
@@ -83,45 +84,43 @@ def _resolve(group_name: str):
     return dist.distributed_c10d._resolve_process_group(group_name)
 
 
-_SIDE_GROUPS: dict = {}
+_CALLS: dict = {}  # group name -> number of agreements made on it by this process
 
 
-def _agreement_group(group):
-    """(group, device) for the agreement: a gloo group on CPU tensors, so that agreeing never
-    waits for the GPU (the host may run ahead of it); the group itself when it is gloo already.
+def _exchange(group, t: Tensor) -> Tensor:
+    """All-gather of a small int64 CPU tensor through the default store: host only (it neither
+    waits for the GPU nor makes a process group), raising after the store's timeout.
 
-    The gloo side group of an NCCL group is made on first use, by the ranks of the group alone
-    (every rank of the group reaches it in the same call: the op is collective)."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" not in backend or "gloo" in backend:
-        return group, torch.device("cpu")
+    Every call of the op is collective over its group, so the k-th agreement of a group is the
+    same call on every rank: its keys are named by (group, k). A rank deletes its key of
+    agreement k - 2 when it makes agreement k (by then every rank has read it)."""
+    store = dist.distributed_c10d._get_default_store()
     name = group.group_name
-    if name not in _SIDE_GROUPS:
-        side = None
-        if dist.is_gloo_available():
-            try:
-                side = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
-                                      use_local_synchronization=True)
-            except Exception:  # no gloo here: agree over NCCL on the GPU instead
-                side = None
-        _SIDE_GROUPS[name] = side
-    side = _SIDE_GROUPS[name]
-    if side is None:
-        return group, torch.device("cuda", torch.cuda.current_device())
-    return side, torch.device("cpu")
+    k = _CALLS.get(name, 0)
+    _CALLS[name] = k + 1
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    prefix = f"hilbert_fx/ring/agree/{name}/"
+    store.set(f"{prefix}{k}/{me}", t.numpy().tobytes())
+    if k >= 2:
+        try:
+            store.delete_key(f"{prefix}{k - 2}/{me}")
+        except Exception:  # a store without delete_key: the keys stay, harmlessly
+            pass
+    keys = [f"{prefix}{k}/{r}" for r in range(world)]
+    store.wait(keys)
+    values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(x) for x in keys]
+    return torch.stack([torch.frombuffer(bytearray(v), dtype=torch.int64) for v in values])
 
 
 _MSG = 400
 
 
 def _agree(group, n_local: int, key: str, seed: int, error: Optional[str]) -> int:
-    """One all_gather of (length, config hash, seed, error): raise on every rank or on none.
+    """One exchange of (length, config hash, seed, error): raise on every rank or on none.
 
     Returns rank 0's seed."""
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
-    if world > 1:
-        group, device = _agreement_group(group)
     digest = hashlib.sha256(key.encode()).digest()
     msg = (error or "").encode()[:_MSG]
     t = torch.zeros(5 + _MSG, dtype=torch.int64)
@@ -132,13 +131,7 @@ def _agree(group, n_local: int, key: str, seed: int, error: Optional[str]) -> in
     t[4] = 1 if error is not None else 0
     if msg:
         t[5:5 + len(msg)] = torch.tensor(list(msg), dtype=torch.int64)
-    if world == 1:
-        rows = t.view(1, -1)
-    else:
-        t = t.to(device)
-        outs = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(outs, t, group=group)
-        rows = torch.stack(outs).cpu()
+    rows = t.view(1, -1) if world == 1 else _exchange(group, t)
     failed = [r for r in range(world) if int(rows[r, 4])]
     if failed:
         if error is not None:

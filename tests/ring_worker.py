@@ -171,8 +171,18 @@ def _run_overlap(case, rank, mesh):
     return res
 
 
+def _run_subgroup(case, rank, mesh):
+    """An attention case of case["world"] ranks on a process group of the first ranks only (the
+    others idle); what follows in the launch then runs on the whole mesh again."""
+    import torch.distributed as dist
+    group = dist.new_group(list(range(case["world"])))  # every rank calls new_group
+    if rank >= case["world"]:
+        return {"idle": True}
+    return _run_attention(dict(case, kind="attention"), rank, group)
+
+
 KINDS = {"attention": _run_attention, "error": _run_error, "compiled": _run_compiled,
-         "overlap": _run_overlap}
+         "overlap": _run_overlap, "subgroup": _run_subgroup}
 
 
 def _main(rank, world, port, cases, results):

@@ -72,6 +72,11 @@ ERROR_CASES = [
     error_case("err_invalid_on_one_rank", dict(BASE, front="checked"),
                {1: dict(segs=(4, 6), rates=(1, 4))}, r"multiple of its dilation rate"),
 ]
+# on 4 processes, first 2 ranks alone on a group of their own, then everything on all 4
+SUBGROUP = attention_case("p2_of_4_subgroup", 2, 16, (8, 32), (1, 2), hilbert=True, causal=True,
+                          seed=7)
+SUBGROUP["kind"] = "subgroup"
+
 # the order of posts, waits and block computations (communication overlaps computation)
 OVERLAP = attention_case("p2_overlap", 2, 24, (8, 48), (1, 4), hilbert=True, seed=6)
 OVERLAP["kind"] = "overlap"
@@ -95,7 +100,7 @@ def results2():
 
 @pytest.fixture(scope="module")
 def results4():
-    return ring_worker.launch(4, CASES_4 + ERROR_CASES[:2] + [COMPILED_4], timeout=300)
+    return ring_worker.launch(4, [SUBGROUP] + CASES_4 + ERROR_CASES[:2] + [COMPILED_4], timeout=300)
 
 
 def assert_close(got, ref, what, rel):
@@ -149,7 +154,7 @@ def test_two_ranks_match_reference(case, results2):
     check_case(case, results2)
 
 
-@pytest.mark.parametrize("case", CASES_4, ids=lambda c: c["name"])
+@pytest.mark.parametrize("case", [SUBGROUP] + CASES_4, ids=lambda c: c["name"])
 def test_four_ranks_match_reference(case, results4):
     check_case(case, results4)
 
