@@ -7,8 +7,10 @@
   op that mixes positions of two activations (another attention, a product of activations).
 - Closed regions: no value of a matched attention, other than its output, is used outside it
   (proved on a networkx view of the graph).
-- Compile-time constants: the value of a node computed only from constants, buffers and sizes
-  (causal triangles built from aranges, torch.tril, registered buffers), evaluated once.
+- Compile-time constants: the value of a node computed only from constants, buffers and static
+  sizes (causal triangles built from aranges, torch.tril, registered buffers), evaluated once.
+  Symbolic sizes and dynamic floats are not constants; triangles over symbolic sizes are read
+  symbolically (Triangles, at the end).
 """
 from __future__ import annotations
 
@@ -228,8 +230,8 @@ class DataFlow:
 
     # -- compile-time constants --------------------------------------------------------------
     def constant_value(self, node):
-        """The value of `node` if it is computed from constants, buffers and sizes only (sizes
-        at their hint when shapes are dynamic), else None. Evaluated once per node, and only
+        """The value of `node` if it is computed from constants, buffers and static sizes only,
+        else None. Evaluated once per node, and only
         where every intermediate stays under CONSTANT_NUMEL_LIMIT elements."""
         if not isinstance(node, fx.Node):
             return node
@@ -248,8 +250,7 @@ class DataFlow:
         if isinstance(ex, (bool, int, float)):
             return ex
         if isinstance(ex, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            hint = getattr(ex.node, "hint", None)
-            return hint
+            return None  # known only at run time: its hint speaks for this call alone
         if isinstance(ex, torch.Tensor) and ex.numel() > CONSTANT_NUMEL_LIMIT:
             return None
         if node.op == "placeholder":

@@ -13,6 +13,7 @@ time), and undoing repeat_kv (GQA keys/values expanded to the query heads).
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -268,6 +269,10 @@ def find_sdpa_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list[Si
                     dropout_p=_arg(node, 4, "dropout_p", 0.0), is_causal=_arg(node, 5, "is_causal", False),
                     scale=_arg(node, 6, "scale"), enable_gqa=_arg(node, 7, "enable_gqa", False))
         site.region = {node}
+        runtime_scale = None
+        if isinstance(site.scale, fx.Node) and isinstance(example(site.scale), (float, torch.SymFloat)):
+            # a float attribute made dynamic (dynamic=True): scale q by it, the op by 1
+            runtime_scale, site.scale = site.scale, 1.0
         for name in ("dropout_p", "is_causal", "scale", "enable_gqa"):
             if isinstance(getattr(site, name), fx.Node):
                 site.reason = f"{name} is computed at run time; it must be a constant"
@@ -285,6 +290,11 @@ def find_sdpa_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list[Si
             is_causal, kept = resolve_masks(flow, [MaskTerm(mask, kind)], q.shape[2])
             if not kept:
                 site.attn_mask, site.is_causal = None, is_causal
+        if runtime_scale is not None:
+            def adapt_inputs(graph, site=site, scale=runtime_scale):
+                q = graph.call_function(operator.mul, (site.q, scale))
+                return q, site.k, site.v, site.attn_mask
+            site.adapt_inputs = adapt_inputs
         sites.append(site)
     return sites
 

@@ -126,6 +126,7 @@ class _Scores:
     factor: float                   # scale applied to q.k
     terms: list                     # MaskTerms
     region: set = field(default_factory=set)
+    runtime: list = field(default_factory=list)  # (op, scalar node): run-time scales of q.k
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,8 +190,19 @@ def _softmax_dim(node: fx.Node):
 # ---------------------------------------------------------------------------------------------
 # The scores side
 # ---------------------------------------------------------------------------------------------
-def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int = 0) -> _Scores:
+def _runtime_scalar(x) -> bool:
+    """A scalar known only at run time (a float attribute made dynamic, a symbolic size)."""
+    return isinstance(x, fx.Node) and isinstance(example(x), (torch.SymFloat, torch.SymInt))
+
+
+def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int = 0,
+                 runtime: Optional[list] = None) -> _Scores:
     terms, region = [], set()
+    runtime = [] if runtime is None else runtime
+
+    def unscaled(what):  # masks applied before a run-time scale would be scaled by it
+        if runtime:
+            raise _Fail(f"{what} before a run-time scale of the scores")
     for _ in range(48):
         if not isinstance(x, fx.Node):
             raise _Fail("the scores are not a tensor of the graph")
@@ -212,6 +224,12 @@ def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int
                 factor, chain = factor * ca, b
             elif name == "div" and cb is not None and cb != 0 and _is_tensor(a):
                 factor, chain = factor / cb, a
+            elif name in ("mul", "div") and _runtime_scalar(b) and _is_tensor(a):
+                runtime.append((name, b))
+                chain = a
+            elif name == "mul" and _runtime_scalar(a) and _is_tensor(b):
+                runtime.append((name, a))
+                chain = b
             else:
                 raise _Fail("the scores are scaled by a value that is not a compile-time constant")
             consumer, x = x, chain
@@ -230,14 +248,15 @@ def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int
                 continue
             if depth > 4:
                 raise _Fail("too many masks added to the scores")
+            unscaled("a mask added")
             try:
-                inner = _walk_scores(flow, x, a, factor, depth + 1)
+                inner = _walk_scores(flow, x, a, factor, depth + 1, runtime)
                 term = MaskTerm(b, "add", factor * sign * alpha)
             except _Fail as first:
                 if name == "sub":
                     raise
                 try:
-                    inner = _walk_scores(flow, x, b, factor, depth + 1)
+                    inner = _walk_scores(flow, x, b, factor, depth + 1, runtime)
                     term = MaskTerm(a, "add", factor)
                 except _Fail:
                     raise first from None
@@ -247,6 +266,7 @@ def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int
             inner.region |= region
             return inner
         if name == "masked_fill":
+            unscaled("a masked_fill")
             mask, value = args[1], (args[2] if len(args) > 2 else x.kwargs.get("value"))
             v = _number(flow, value)
             if v is None or factor <= 0 or not v * factor <= FORBIDDEN:
@@ -255,6 +275,7 @@ def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int
             consumer, x = x, args[0]
             continue
         if name in ("where", "where_method"):
+            unscaled("a where()")
             if name == "where":
                 if len(args) < 3:
                     raise _Fail("a where() with one argument between the scores and the softmax")
@@ -272,15 +293,16 @@ def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int
                 continue
             raise _Fail("a where() between the scores and the softmax that is not a mask")
         if name in ("matmul", "bmm", "einsum"):
-            return _Scores(x, factor, terms, region)
+            return _Scores(x, factor, terms, region, runtime)
         if name == "baddbmm":
             beta = x.kwargs.get("beta", 1)
             alpha = x.kwargs.get("alpha", 1)
             if not isinstance(beta, (int, float)) or not isinstance(alpha, (int, float)):
                 raise _Fail("baddbmm with run-time beta or alpha")
             if beta != 0:
+                unscaled("baddbmm's input")
                 terms.append(MaskTerm(args[0], "add", factor * beta))
-            return _Scores(x, factor * alpha, terms, region)
+            return _Scores(x, factor * alpha, terms, region, runtime)
         what = x.target if x.op == "call_method" else getattr(x.target, "__name__", str(x.target))
         raise _Fail(f"{what} between the scores and the softmax is not part of attention")
     raise _Fail("the scores are computed through too many steps")
@@ -674,11 +696,15 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Site]:
     simple_mask = not kept or (len(kept) == 1 and heads is None and (
         (kept[0].kind == "allow" and getattr(example(kept[0].node), "dtype", None) == torch.bool)
         or (kept[0].kind == "add" and kept[0].factor == 1.0)))
-    if q.plain and k.plain and vop.plain and heads is None and simple_mask:
+    if q.plain and k.plain and vop.plain and heads is None and simple_mask and not scores.runtime:
         site.attn_mask = kept[0].node if kept else None
     else:
-        def adapt_inputs(graph: fx.Graph, q=q, k=k, vop=vop, heads=heads, kept=kept):
+        def adapt_inputs(graph: fx.Graph, q=q, k=k, vop=vop, heads=heads, kept=kept,
+                         runtime=tuple(scores.runtime)):
             nodes = [op.build(graph) for op in (q, k, vop)]
+            for op, scalar in runtime:  # run-time scales of the scores go onto q
+                nodes[0] = graph.call_function(operator.mul if op == "mul" else operator.truediv,
+                                               (nodes[0], scalar))
             if heads is not None:
                 nodes = [graph.call_method("unflatten", (x, 0, (-1, heads))) for x in nodes]
             return (*nodes, build_mask(graph, kept, heads))

@@ -359,8 +359,13 @@ def test_causal_triangles_are_proved_for_every_length_under_dynamic_shapes(fn, m
     rec = Recorder()
     compiled = torch.compile(model, backend=rec, dynamic=True, fullgraph=True)
     compiled(x, keep)
+    if fn is v_causal_additive:  # dynamic=True makes the float SCALE a run-time value, and
+        # here it scales the mask too: nothing can be said of the scaled mask, so it is skipped
+        assert [(s.action, s.reason) for s in rec.sites] == [
+            ("skipped", "a mask added before a run-time scale of the scores")]
+        return
     (call,) = op_calls(rec)
-    assert isinstance(call.args[0].meta["example_value"].shape[2], torch.SymInt)
+    assert isinstance(rec.sites[0].shapes["q"][2], torch.SymInt)
     assert (call.args[6], call.args[7]) == (True, None), rec.sites[0]
     for n in (19, 30):  # the same graph at other lengths, against the reference
         x, keep = inputs(n, n=n)

@@ -118,22 +118,25 @@ def test_sites_and_identity_configuration_equal_eager(family, impl, padded):
     torch.testing.assert_close(compiled, eager, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("family", ["gpt2", "llama_gqa"])
-def test_causal_language_models_stay_causal_at_a_second_length(family):
-    """A second length recompiles with a symbolic length: the causal mask is still proved."""
+def test_causal_language_models_stay_causal_at_a_second_length(family, impl, dynamic):
+    """A second length recompiles with a symbolic length (dynamic=True: from the start, float
+    attributes such as the scale included): the causal mask is still proved, the scale kept."""
     torch.manual_seed(0)
-    model, _ = FAMILIES[family]("eager")
+    model, _ = FAMILIES[family](impl)
     model.eval()
     torch._dynamo.reset()
     rec = Recorder(**IDENTITY)
-    compiled = torch.compile(model, backend=rec)
+    compiled = torch.compile(model, backend=rec, dynamic=dynamic)
     with torch.no_grad():
         for n in (N, N + 5):
             ids = torch.randint(1, VOCAB, (BATCH, n))
             torch.testing.assert_close(output(compiled(input_ids=ids)), output(model(input_ids=ids)),
                                        atol=2e-5, rtol=1e-4)
-    assert len(rec.sites) == 2 * LAYERS
-    assert all(s.action == "rewritten" and s.is_causal for s in rec.sites)
+    assert len(rec.sites) == (2 * LAYERS if dynamic is None else LAYERS)
+    assert all(s.action == "rewritten" and s.is_causal for s in rec.sites), [s.reason for s in rec.sites]
 
 
 def test_explain_reports_t5_sites_with_module_paths_and_reasons():
