@@ -112,6 +112,21 @@ def _exchange(group, t: Tensor) -> Tensor:
     return torch.stack([torch.frombuffer(bytearray(v), dtype=torch.int64) for v in values])
 
 
+_CONNECTED: set = set()
+
+
+def _connect(group, device: torch.device) -> None:
+    """Once per NCCL group: one all_reduce over every rank, so that the group's communicator
+    exists before the first batch_isend_irecv (which, as a group's first collective, NCCL wants
+    every rank to join; later batches may involve only some ranks)."""
+    name = group.group_name
+    if name in _CONNECTED or dist.get_world_size(group) == 1:
+        return
+    if "nccl" in str(dist.get_backend(group)).lower() and device.type == "cuda":
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+    _CONNECTED.add(name)
+
+
 _MSG = 400
 
 
@@ -495,6 +510,7 @@ def ring_dilated_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: 
     seed = _start("forward", group, q, k, v, segment_lengths, dilation_rates, hilbert, is_causal,
                   attn_mask, dropout_p, seed, scale, lowering)
     _STATS["forward_calls"] += 1
+    _connect(group, q.device)
     plan = _plan_for(q, k, group, segment_lengths, dilation_rates, hilbert, is_causal)
     out, lse = _ring_forward(q, k, v, plan, group, is_causal=is_causal, scale=scale,
                              dropout_p=dropout_p, seed=seed)
