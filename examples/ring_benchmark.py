@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import socket
 import statistics
@@ -79,7 +78,8 @@ def parse_args(argv=None):
                    help="also time the single-device op with this lowering at P = 1 ('' for none)")
     p.add_argument("--budget-s", type=float, default=250.0,
                    help="skip weak-scaling rows that would start after this many seconds")
-    p.add_argument("--collective-timeout-s", type=float, default=180.0)
+    p.add_argument("--collective-timeout-s", type=float, default=240.0,
+                   help="a collective (or an idle rank's barrier) waiting longer raises")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--n-check", type=int, default=4096, help="tokens per GPU in the check")
     p.add_argument("--cpu", action="store_true", help="smoke test on CPU with gloo (tiny sizes)")

@@ -42,7 +42,7 @@ from torch import Tensor
 from . import block_attention
 from .arguments import check_branches, check_lowering, check_tensors, resolve_lowering
 from .dropout import keep_mask, new_seed
-from .ring_plan import LocalBlock, PeerBlock, RingPlan, plan_bytes, ring_plan
+from .ring_plan import PeerBlock, RingPlan, plan_bytes, ring_plan
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -57,7 +57,7 @@ _STATS = {"forward_bytes": 0, "backward_bytes": 0, "forward_calls": 0, "backward
 
 
 def comm_stats() -> dict:
-    """Bytes this process has sent (point to point, excluding the small agreement through the store)."""
+    """Bytes this process has sent (point to point; the small agreement through the store aside)."""
     return dict(_STATS)
 
 
