@@ -42,6 +42,12 @@ def check_lowering(lowering: str) -> str:
     return lowering
 
 
+def check_same_dtype(q, k, v) -> None:
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must have the same dtype (as in SDPA), got q {q.dtype}, "
+                         f"k {k.dtype}, v {v.dtype}")
+
+
 def check_tensors(q, k, v, *, attn_mask, is_causal: bool, dropout_p: float, enable_gqa: bool,
                   scale) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -51,6 +57,8 @@ def check_tensors(q, k, v, *, attn_mask, is_causal: bool, dropout_p: float, enab
             raise ValueError(f"{name} must have 4 dimensions [B, H, N, D], got shape {tuple(t.shape)}")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not torch.is_autocast_enabled(q.device.type):  # autocast casts them to one dtype
+        check_same_dtype(q, k, v)
     if k.shape[2] != q.shape[2]:
         raise ValueError(
             f"q and k must have the same length (self-attention): q has {q.shape[2]} positions, "

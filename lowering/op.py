@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from . import sdpa_lowering
-from .arguments import check_branches, check_lowering, check_tensors, resolve_lowering
+from .arguments import check_branches, check_lowering, check_same_dtype, check_tensors, resolve_lowering
+from .autocast import register_autocast
 from .dropout import new_seed
 from .plans import branch_plans
 
@@ -40,6 +41,7 @@ def dilated_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[
                          attn_mask: Optional[Tensor], dropout_p: float, seed: Optional[Tensor],
                          scale: float, lowering: str) -> tuple[Tensor, Tensor]:
     """Returns (out [B, Hq, N, Dv] in q's dtype, lse [B, Hq, N] in float32 or wider)."""
+    check_same_dtype(q, k, v)
     plans = branch_plans(q.shape[2], segment_lengths, dilation_rates, hilbert, q.device)
     dtype = _compute_dtype(q, lowering)
     out, lse = _lowering_module(lowering).forward(
@@ -51,6 +53,7 @@ def dilated_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[
 @dilated_attention_op.register_fake
 def _(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p, seed,
       scale, lowering):
+    check_same_dtype(q, k, v)
     b, h, n, _ = q.shape
     out = q.new_empty(b, h, n, v.shape[-1])
     lse = q.new_empty(b, h, n, dtype=torch.promote_types(q.dtype, torch.float32))
@@ -97,6 +100,7 @@ def _backward(ctx, dout, _dlse):
 
 
 dilated_attention_op.register_autograd(_backward, setup_context=_setup_context)
+register_autocast("hilbert_fx::dilated_attention")  # as SDPA under torch.autocast
 
 
 def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation_rates, *,

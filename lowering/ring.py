@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import block_attention
+from .autocast import register_autocast
 from .arguments import check_branches, check_lowering, check_tensors, resolve_lowering
 from .dropout import keep_mask, new_seed
 from .ring_plan import PeerBlock, RingPlan, plan_bytes, ring_plan
@@ -569,6 +570,7 @@ def _backward(ctx, dout, _dlse):
 
 
 ring_dilated_attention_op.register_autograd(_backward, setup_context=_setup_context)
+register_autocast("hilbert_fx::ring_dilated_attention")  # as SDPA under torch.autocast
 
 
 # ---------------------------------------------------------------------------------------------
