@@ -19,6 +19,9 @@ except Exception:  # noqa: BLE001
 
 
 def log_site(site) -> None:
+    # torch._logging's set-up runs more than once (at torch's import, at torch._dynamo's) and can
+    # leave its handler on this logger twice, which printed every line twice; one is enough.
+    del log.handlers[1:]
     where = site.module or "<top level>"
     if site.action == "rewritten":
         log.info("%s attention in %s: rewritten, lowering=%s, %s", site.kind, where, site.lowering,
