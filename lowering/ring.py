@@ -24,10 +24,32 @@ shard length, a hash of its configuration and any error it found in its argument
 then reaches the same decision, so shards of unequal length, configurations that differ across
 ranks and arguments that one rank rejects raise ValueError on every rank instead of hanging.
 
-Kernels: blocks run on lowering/block_attention.py (the SDPA kernels) whatever `lowering` says;
-the lowering is carried so that the rewritten graph shows it, as for the single-device op.
+Kernels. lowering="sdpa": every block runs on lowering/block_attention.py (the SDPA kernels).
+lowering="triton" (CUDA of compute capability 8.0 or more, or CPU tensors under the Triton
+interpreter, as for the single-device op): the local part -- every pair of positions that both
+lie in this shard, which is most of the work -- is the single-device Triton lowering run on the
+shard with the shard plans of ring_plan.shard_branch_plans (the segments cut to the shard, in
+local rows): triton_lowering.forward gives (out, lse) of the local part, reading q, k, v by
+strides without gathers, and triton_lowering.backward, given the final out and lse, gives the
+local part's dq, dk, dv. Only the blocks against rows received from peers (segments that span
+shards) run on the SDPA kernels; their results are merged into the local ones by log-sum-exp in
+float32 on their rows only (numbered compactly by the plan), so nothing full-size is copied.
+Backward on that path: the key/value rows travel while the Triton backward runs; the gradients
+sent back travel after it (they are the smaller part of the bytes of cross segments only).
+Rounding: the Triton lowering returns out and dq, dk, dv in q's dtype, so in half precision the
+rows that also get a peer's share are rounded twice (once by the kernels, once after the merge);
+rows of in-shard segments only are exactly the single-device kernels' results.
+
+Cases that stay on the SDPA block path even with lowering="triton":
+- dropout_p > 0: the Triton kernels hash the positions they are given, which on a shard are local
+  ones, while the keep bits must be those of global positions (SPEC, lowering/dropout.py); the
+  kernels take no position offset, so dropout runs on the blocks, which hash global positions.
+- dtypes the Triton lowering does not take (float64) and head dims over its limit (256), which the
+  ring has always computed on the blocks.
+
 attn_mask is not supported with a mesh (ValueError naming attn_mask); dropout is, since its keep
 bits are a hash of global positions (lowering/dropout.py) and rank 0's seed is used everywhere.
+The lowering is also carried so that the rewritten graph shows it, as for the single-device op.
 """
 from __future__ import annotations
 
@@ -43,7 +65,7 @@ from . import block_attention
 from .autocast import register_autocast
 from .arguments import check_branches, check_lowering, check_tensors, resolve_lowering
 from .dropout import keep_mask, new_seed
-from .ring_plan import PeerBlock, RingPlan, plan_bytes, ring_plan
+from .ring_plan import PeerBlock, RingPlan, plan_bytes, ring_plan, shard_branch_plans
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -186,6 +208,15 @@ def _local_error(q, k, v, segment_lengths, dilation_rates, attn_mask, lowering) 
                 "sharded along it); pass attn_mask=None, or use is_causal for causal masking")
     if lowering not in ("sdpa", "triton"):
         return f"lowering must be 'sdpa' or 'triton' once resolved, got {lowering!r}"
+    if lowering == "triton" and q.device.type == "cpu":
+        try:
+            from . import triton_lowering
+            interpreted = triton_lowering.interpreter_active()
+        except ImportError as e:
+            return f"lowering='triton' needs the triton package: {e}"
+        if not interpreted:
+            return ("lowering='triton' on CPU tensors runs the Triton interpreter, which triton "
+                    "chooses when it is first imported: set TRITON_INTERPRET=1 in the environment")
     try:
         check_branches(list(segment_lengths), list(dilation_rates))
     except ValueError as e:
@@ -324,8 +355,165 @@ def _add_rows(buf: Tensor, heads: Tensor, rows: Tensor, values: Tensor) -> None:
                    values.reshape(b, h, s, length, -1).to(buf.dtype), accumulate=True)
 
 
+def _merge_at(acc: Tensor, run_lse: Tensor, slots: Tensor, o: Tensor, lse: Tensor) -> None:
+    """Merge a block's (o [B, H, 1, L, Dv] or [B, H, L, Dv], lse) into the compact buffers
+    acc [B, T + 1, Dv], run_lse [B, T + 1] at slots [H, 1, L] (T: padding), by log-sum-exp."""
+    b = acc.shape[0]
+    h, s, length = slots.shape
+    o = o.reshape(b, h, s, length, -1)
+    lse = lse.reshape(b, h, s, length)
+    index = (slice(None), slots)
+    cur_o, cur_l = acc[index], run_lse[index]
+    new_l = torch.logaddexp(cur_l, lse)
+    base = new_l.masked_fill(new_l == NEG_INF, 0.0)
+    acc[index] = (cur_o * torch.exp(cur_l - base).unsqueeze(-1)
+                  + o * torch.exp(lse - base).unsqueeze(-1))
+    run_lse[index] = new_l
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward and backward on one rank.
+
+def _triton_path(q: Tensor, lowering: str, dropout_p: float) -> bool:
+    """Whether the local part runs on the Triton lowering (see the module docstring)."""
+    if lowering != "triton" or dropout_p > 0.0:
+        return False
+    from . import triton_lowering
+    return (q.dtype in triton_lowering.SUPPORTED_DTYPES
+            and q.shape[-1] <= triton_lowering.MAX_HEAD_DIM)
+
+
+def _shard_plans(q, plan: RingPlan, segment_lengths, dilation_rates, hilbert):
+    return shard_branch_plans(plan.n, plan.world, plan.rank, segment_lengths, dilation_rates,
+                              hilbert, q.device)
+
+
+def _triton_forward(q, k, v, plan: RingPlan, group, *, segment_lengths, dilation_rates,
+                    hilbert, is_causal, scale):
+    """The local part on the Triton kernels (while the key/value rows travel), then the peer
+    blocks on the SDPA kernels into compact float32 buffers, merged into the rows they cover."""
+    from . import triton_lowering
+    b, hq, n, _ = q.shape
+    hkv = k.shape[1]
+    block_dtype = _compute_dtype(q)  # the blocks' (float32 for half types on CPU)
+    qc, kc, vc = (x.to(block_dtype).contiguous() for x in (q, k, v))
+    heads = torch.arange(hq, device=q.device)
+    dk, dv = k.shape[-1], v.shape[-1]
+
+    posted = _post_kv(plan, group, kc, vc, "forward_bytes", tag=1)
+
+    out, lse = triton_lowering.forward(
+        q.contiguous(), k.contiguous(), v.contiguous(),
+        _shard_plans(q, plan, segment_lengths, dilation_rates, hilbert), is_causal=is_causal,
+        attn_mask=None, scale=scale, dropout_p=0.0, seed=None)
+    total = plan.peer_rows.numel()
+    if total:
+        acc = torch.zeros(b, total + 1, dv, dtype=torch.float32, device=q.device)
+        run_lse = torch.full((b, total + 1), NEG_INF, dtype=torch.float32, device=q.device)
+    for step, (works, buf, _) in zip(plan.steps, posted):
+        _wait(works)
+        if buf is None:
+            continue
+        kbuf, vbuf = _split(buf, b, step.recv_rows, dk, dv)
+        for pb in step.blocks:
+            bias = _key_bias(pb.k_valid, block_dtype) if pb.key_padded else None
+            o, blse = _block_forward(_rows(qc, heads, pb.q_rows), _peer_keys(kbuf, pb.k_idx),
+                                     _peer_keys(vbuf, pb.k_idx), bias=bias, causal=False,
+                                     scale=scale, keep=None, dropout_p=0.0, has_key=pb.has_key)
+            _merge_at(acc, run_lse, pb.q_slot, o.float(), blse.float())
+    if total:  # the peers' share into the rows it covers: once, in float32
+        ph, pr = plan.peer_heads, plan.peer_rows
+        cur_o, cur_l = out[:, ph, pr].float(), lse[:, ph, pr]
+        po, pl = acc[:, :total], run_lse[:, :total]
+        new_l = torch.logaddexp(cur_l, pl)
+        base = new_l.masked_fill(new_l == NEG_INF, 0.0)
+        out[:, ph, pr] = (cur_o * torch.exp(cur_l - base).unsqueeze(-1)
+                          + po * torch.exp(pl - base).unsqueeze(-1)).to(out.dtype)
+        lse[:, ph, pr] = new_l
+    return out, lse
+
+
+def _triton_backward(dout, q, k, v, out, lse, plan: RingPlan, group, *, segment_lengths,
+                     dilation_rates, hilbert, is_causal, scale):
+    """The local part's dq, dk, dv on the Triton kernels (given the final out and lse) while
+    the key/value rows travel, then the peer blocks; the peers' dq share and the gradients that
+    come back are added to the kernels' results on their rows only, in float32."""
+    from . import triton_lowering
+    b, hq, n, d = q.shape
+    block_dtype = _compute_dtype(q)
+    qc, kc, vc, out_c, dout_c = (x.to(block_dtype).contiguous() for x in (q, k, v, out, dout))
+    heads = torch.arange(hq, device=q.device)
+    dk_dim, dv_dim = k.shape[-1], v.shape[-1]
+
+    posted = _post_kv(plan, group, kc, vc, "backward_bytes", tag=2)
+
+    dq, dk, dv = triton_lowering.backward(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+        lse.float().contiguous(), _shard_plans(q, plan, segment_lengths, dilation_rates, hilbert),
+        is_causal=is_causal, attn_mask=None, scale=scale, dropout_p=0.0, seed=None)
+    if not plan.has_peers:
+        return dq, dk, dv
+
+    # A row with no key anywhere has lse = -inf; +inf makes every probability of it 0.
+    lse_pad = torch.nn.functional.pad(lse.float().masked_fill(lse == NEG_INF, POS_INF), (0, 1),
+                                      value=POS_INF).to(torch.promote_types(block_dtype,
+                                                                            torch.float32))
+    total = plan.peer_rows.numel()
+    pdq = torch.zeros(b, total + 1, d, dtype=torch.float32, device=q.device)
+    grads_posted = []
+    for step, (works, buf, _) in zip(plan.steps, posted):
+        _wait(works)
+        ops, recv, payload = [], None, None
+        if buf is not None:
+            m = step.recv_rows
+            kbuf, vbuf = _split(buf, b, m, dk_dim, dv_dim)
+            gk_buf = torch.zeros(b, m + 1, dk_dim, dtype=torch.float32, device=q.device)
+            gv_buf = torch.zeros(b, m + 1, dv_dim, dtype=torch.float32, device=q.device)
+            for pb in step.blocks:
+                bias = _key_bias(pb.k_valid, block_dtype) if pb.key_padded else None
+                dog, og, lg = _query_side(dout_c, out_c, lse_pad, heads, pb.q_rows, pb.q_valid)
+                gq, gk, gv = block_attention.backward(
+                    dog, _rows(qc, heads, pb.q_rows), _peer_keys(kbuf, pb.k_idx),
+                    _peer_keys(vbuf, pb.k_idx), og, lg, bias=bias, is_causal=False, scale=scale,
+                    keep=None, dropout_p=0.0)
+                h, _, length = pb.k_idx.shape
+                bidx = torch.arange(b, device=q.device).view(b, 1, 1)
+                pdq.index_put_((bidx, pb.q_slot.view(1, h, -1)),
+                               gq.reshape(b, h, -1, d).float(), accumulate=True)
+                idx = pb.k_idx.view(1, h, length)
+                gk_buf.index_put_((bidx, idx), gk.reshape(b, h, length, -1).float(),
+                                  accumulate=True)
+                gv_buf.index_put_((bidx, idx), gv.reshape(b, h, length, -1).float(),
+                                  accumulate=True)
+            payload = torch.cat([gk_buf[:, :m].reshape(-1), gv_buf[:, :m].reshape(-1)])
+            ops.append(dist.P2POp(dist.isend, payload, _global(group, step.recv_from), group, 3))
+            _STATS["backward_bytes"] += payload.numel() * payload.element_size()
+        if step.send_count:
+            recv = torch.empty(b * step.send_count * (dk_dim + dv_dim), dtype=torch.float32,
+                               device=q.device)
+            ops.append(dist.P2POp(dist.irecv, recv, _global(group, step.send_to), group, 3))
+        grads_posted.append((dist.batch_isend_irecv(ops) if ops else [], recv, payload))
+
+    if total:
+        ph, pr = plan.peer_heads, plan.peer_rows
+        dq[:, ph, pr] = (dq[:, ph, pr].float() + pdq[:, :total]).to(dq.dtype)
+    units = plan.grad_rows.numel()
+    if units:
+        gk_acc = torch.zeros(b, units, dk_dim, dtype=torch.float32, device=q.device)
+        gv_acc = torch.zeros(b, units, dv_dim, dtype=torch.float32, device=q.device)
+    for step, (works, recv, _) in zip(plan.steps, grads_posted):
+        _wait(works)
+        if recv is None:
+            continue
+        gk, gv = _split(recv, b, step.send_count, dk_dim, dv_dim)
+        gk_acc.index_add_(1, step.grad_slot, gk)
+        gv_acc.index_add_(1, step.grad_slot, gv)
+    if units:
+        gh, gr = plan.grad_heads, plan.grad_rows
+        dk[:, gh, gr] = (dk[:, gh, gr].float() + gk_acc).to(dk.dtype)
+        dv[:, gh, gr] = (dv[:, gh, gr].float() + gv_acc).to(dv.dtype)
+    return dq, dk, dv
+
 
 def _compute_dtype(q: Tensor) -> torch.dtype:
     if q.dtype in (torch.float16, torch.bfloat16) and q.device.type == "cpu":
@@ -513,8 +701,13 @@ def ring_dilated_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: 
     _STATS["forward_calls"] += 1
     _connect(group, q.device)
     plan = _plan_for(q, k, group, segment_lengths, dilation_rates, hilbert, is_causal)
-    out, lse = _ring_forward(q, k, v, plan, group, is_causal=is_causal, scale=scale,
-                             dropout_p=dropout_p, seed=seed)
+    if _triton_path(q, lowering, dropout_p):
+        out, lse = _triton_forward(q, k, v, plan, group, segment_lengths=segment_lengths,
+                                   dilation_rates=dilation_rates, hilbert=hilbert,
+                                   is_causal=is_causal, scale=scale)
+    else:
+        out, lse = _ring_forward(q, k, v, plan, group, is_causal=is_causal, scale=scale,
+                                 dropout_p=dropout_p, seed=seed)
     return out.contiguous(), lse
 
 
@@ -539,6 +732,12 @@ def ring_dilated_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Te
                   attn_mask, dropout_p, seed, scale, lowering)
     _STATS["backward_calls"] += 1
     plan = _plan_for(q, k, group, segment_lengths, dilation_rates, hilbert, is_causal)
+    if _triton_path(q, lowering, dropout_p):
+        dq, dk, dv = _triton_backward(dout, q, k, v, out, lse, plan, group,
+                                      segment_lengths=segment_lengths,
+                                      dilation_rates=dilation_rates, hilbert=hilbert,
+                                      is_causal=is_causal, scale=scale)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
     return _ring_backward(dout, q, k, v, out, lse, plan, group, is_causal=is_causal, scale=scale,
                           dropout_p=dropout_p, seed=seed)
 

@@ -21,6 +21,18 @@ Blocks the compute runs on rank i:
   of each cross segment), as local rows; padded to the longest set with row n (a spare row).
 - PeerBlock: rank i's selected queries of a cross segment against the rows received from one
   peer; keys index the received message.
+
+With the Triton lowering (lowering/ring.py), the local part is not cut into LocalBlocks: it is the
+single-device op's kernels run on the shard with *shard plans* (`shard_branch_plans`), one
+BranchPlan per branch whose segments are the parts of the global segments that lie in the shard,
+in local rows. Where the shard's edges fall on segment edges this is exactly the plan of the
+single-device op on a sequence of n positions; otherwise its sets are listed explicitly. Every
+position a branch selects in the shard belongs to exactly one set of the shard plan, so a branch
+with r == 1 covers every local row (the Triton lowering relies on that). The peer blocks' query
+rows are also numbered compactly (`RingPlan.peer_heads/peer_rows`, `PeerBlock.q_slot`), and the
+rows whose gradients come back from peers likewise (`RingPlan.grad_heads/grad_rows`,
+`Step.grad_slot`), so that the peers' share is merged into the kernels' full-size results in
+float32 without a full-size float32 copy.
 """
 from __future__ import annotations
 
@@ -29,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .plans import branch_plan
+from .plans import BranchPlan, branch_plan
 
 
 def _round_up(x: int, m: int) -> int:
@@ -63,6 +75,7 @@ class PeerBlock:
     k_valid: torch.Tensor  # [H, 1, Lk]
     key_padded: bool
     has_key: torch.Tensor | None  # [H] bool, None when every head has keys from this peer
+    q_slot: torch.Tensor | None = None  # [H, 1, Lq] index into RingPlan.peer_rows, padded with T
 
 
 @dataclass
@@ -75,6 +88,7 @@ class Step:
     recv_from: int
     recv_rows: int  # M_recv
     blocks: list[PeerBlock] = field(default_factory=list)
+    grad_slot: torch.Tensor | None = None  # [M_send] index of each sent row in RingPlan.grad_rows
 
     @property
     def send_count(self) -> int:
@@ -91,6 +105,17 @@ class RingPlan:
     num_kv_heads: int
     local_blocks: list[LocalBlock]
     steps: list[Step]
+    # (query head, local row) of every query row of some PeerBlock, T of them, no repeats
+    peer_heads: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    peer_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    # (kv head, local row) of every row sent to some peer (its gradient comes back), U, no repeats
+    grad_heads: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    grad_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+
+    @property
+    def has_peers(self) -> bool:
+        """Whether this rank computes any PeerBlock or gets any gradient back."""
+        return bool(self.peer_rows.numel() or self.grad_rows.numel())
 
     @property
     def rows_sent(self) -> int:
@@ -270,7 +295,33 @@ def _build(seq_len: int, world: int, rank: int, segment_lengths, dilation_rates,
                     not bool(k_valid.all()), None if bool(has_key.all()) else has_key))
         cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long))
         steps.append(Step(s, dst, cat(send_heads), cat(send_rows), src, total, blocks))
-    return RingPlan(world, rank, n, seq_len, num_heads, num_kv_heads, local_blocks, steps)
+    plan = RingPlan(world, rank, n, seq_len, num_heads, num_kv_heads, local_blocks, steps)
+    _number_peer_rows(plan)
+    return plan
+
+
+def _number_peer_rows(plan: RingPlan) -> None:
+    """Compact numbering of the query rows of the PeerBlocks and of the rows sent to peers."""
+    n = plan.n
+    keys = []  # head * (n + 1) + row of every valid query row of every PeerBlock
+    for step in plan.steps:
+        for pb in step.blocks:
+            h = torch.arange(pb.q_rows.shape[0]).view(-1, 1, 1).expand_as(pb.q_rows)
+            keys.append((h * (n + 1) + pb.q_rows)[pb.q_valid])
+    unique = torch.unique(torch.cat(keys)) if keys else torch.zeros(0, dtype=torch.long)
+    plan.peer_heads, plan.peer_rows = unique // (n + 1), unique % (n + 1)
+    total = unique.numel()
+    for step in plan.steps:
+        for pb in step.blocks:
+            h = torch.arange(pb.q_rows.shape[0]).view(-1, 1, 1).expand_as(pb.q_rows)
+            slot = torch.searchsorted(unique, (h * (n + 1) + pb.q_rows).reshape(-1).contiguous())
+            pb.q_slot = torch.where(pb.q_valid, slot.view_as(pb.q_rows),
+                                    torch.full_like(pb.q_rows, total))
+    sent = [s.send_heads * (n + 1) + s.send_rows for s in plan.steps]
+    unique = torch.unique(torch.cat(sent)) if sent else torch.zeros(0, dtype=torch.long)
+    plan.grad_heads, plan.grad_rows = unique // (n + 1), unique % (n + 1)
+    for step, keys_sent in zip(plan.steps, sent):
+        step.grad_slot = torch.searchsorted(unique, keys_sent.contiguous())
 
 
 def _to(plan: RingPlan, device: torch.device) -> RingPlan:
@@ -280,11 +331,13 @@ def _to(plan: RingPlan, device: torch.device) -> RingPlan:
     steps = []
     for s in plan.steps:
         pbs = [PeerBlock(mv(p.q_rows), mv(p.q_pos), mv(p.q_valid), mv(p.k_idx), mv(p.k_pos),
-                         mv(p.k_valid), p.key_padded, mv(p.has_key)) for p in s.blocks]
+                         mv(p.k_valid), p.key_padded, mv(p.has_key), mv(p.q_slot))
+               for p in s.blocks]
         steps.append(Step(s.offset, s.send_to, mv(s.send_heads), mv(s.send_rows), s.recv_from,
-                          s.recv_rows, pbs))
+                          s.recv_rows, pbs, mv(s.grad_slot)))
     return RingPlan(plan.world, plan.rank, plan.n, plan.seq_len, plan.num_heads, plan.num_kv_heads,
-                    blocks, steps)
+                    blocks, steps, mv(plan.peer_heads), mv(plan.peer_rows), mv(plan.grad_heads),
+                    mv(plan.grad_rows))
 
 
 @functools.lru_cache(maxsize=64)
@@ -303,6 +356,57 @@ def ring_plan(n_local: int, world: int, rank: int, segment_lengths, dilation_rat
                    tuple(int(w) for w in segment_lengths), tuple(int(r) for r in dilation_rates),
                    bool(hilbert), bool(is_causal), int(num_heads), int(num_kv_heads),
                    str(torch.device(device)))
+
+
+def _shard_plan(seq_len: int, n: int, rank: int, w: int, r: int, hilbert: bool,
+                device: str) -> BranchPlan | None:
+    """Branch (w, r) restricted to rank's shard [rank*n, (rank+1)*n), in local rows.
+
+    Its segments are the global segments that meet the shard, each cut to the shard: set
+    (o, segment) holds the members of the global set that lie in the shard, ascending (a
+    contiguous run of the global set, since shards are contiguous), minus rank*n, padded with n;
+    segments of which the shard holds no selected position are left out. Causal attention
+    within such a part is the lower triangle over it, as in the global set. When the shard's
+    edges fall on segment edges (or its end is the sequence's end) this is the single-device
+    plan of a sequence of n positions, and that cached plan is returned (the kernels then reach
+    rows by strides). None when no segment of the branch meets the shard (never for n >= 1)."""
+    lo, hi = rank * n, (rank + 1) * n
+    if lo % w == 0 and (hi % w == 0 or hi == seq_len):
+        return branch_plan(n, w, r, hilbert, device)
+    glob = branch_plan(seq_len, w, r, hilbert, "cpu")
+    j0, j1 = lo // w, min(-(-hi // w), glob.num_segments)
+    pos = glob.positions[:, j0:j1, :]
+    inside = (pos >= lo) & (pos < hi)
+    local, _ = torch.where(inside, pos - lo, torch.full_like(pos, n)).sort(dim=-1)
+    counts = inside.sum(-1)  # [r, S']
+    used = counts.sum(0) > 0
+    if not bool(used.any()):
+        return None
+    length = int(counts.max())
+    local = local[:, used, :length].contiguous()
+    counts = counts[:, used].contiguous()
+    plan = BranchPlan(w, r, n, local.to(device), counts.to(device))
+    object.__setattr__(plan, "_strided", False)  # the kernels read Pos (segment starts vary)
+    return plan
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_shard_plans(seq_len, world, rank, segment_lengths, dilation_rates, hilbert, device):
+    n = seq_len // world
+    plans = [_shard_plan(seq_len, n, rank, w, r, hilbert, device)
+             for w, r in zip(segment_lengths, dilation_rates)]
+    return tuple(p for p in plans if p is not None)
+
+
+def shard_branch_plans(n_local: int, world: int, rank: int, segment_lengths, dilation_rates,
+                       hilbert: bool, device: torch.device | str = "cpu") -> list[BranchPlan]:
+    """The BranchPlans of the local part of every branch on `rank` (see the module docstring):
+    run through the single-device lowering on the shard, they compute every pair of positions
+    that both lie in the shard; the PeerBlocks compute the rest."""
+    return list(_cached_shard_plans(int(n_local) * int(world), int(world), int(rank),
+                                    tuple(int(w) for w in segment_lengths),
+                                    tuple(int(r) for r in dilation_rates), bool(hilbert),
+                                    str(torch.device(device))))
 
 
 def plan_bytes(n_local: int, world: int, segment_lengths, dilation_rates, *, hilbert: bool,

@@ -20,6 +20,9 @@ import traceback
 
 import torch
 
+if not torch.cuda.is_available():  # lowering="triton" runs interpreted here (SPEC section 3);
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # triton reads it when first imported
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -71,12 +74,13 @@ def _run_attention(case, rank, mesh, between=None):
         out = hilbert_fx.dilated_attention(
             ql, kl, vl, case["segs"], case["rates"], hilbert=case["hilbert"],
             is_causal=case["causal"], scale=case.get("scale"),
-            enable_gqa=case["Hq"] != case["Hkv"], lowering="sdpa", mesh=mesh)
+            enable_gqa=case["Hq"] != case["Hkv"], lowering=case.get("lowering", "sdpa"),
+            mesh=mesh)
     else:
         out = ring.ring_dilated_attention(
             ql, kl, vl, case["segs"], case["rates"], hilbert=case["hilbert"],
             is_causal=case["causal"], dropout_p=case.get("dropout_p", 0.0), seed=seed,
-            scale=case.get("scale"), lowering="sdpa", mesh=mesh)
+            scale=case.get("scale"), lowering=case.get("lowering", "sdpa"), mesh=mesh)
     mid = ring.comm_stats()
     if between is not None:
         between()
@@ -145,8 +149,9 @@ def _run_overlap(case, rank, mesh):
     """The order in which the op posts messages, waits for them and computes blocks."""
     from lowering import ring
     events = []
+    from lowering import triton_lowering
     saved = (ring.dist.batch_isend_irecv, ring._wait, ring.block_attention.forward,
-             ring.block_attention.backward)
+             ring.block_attention.backward, triton_lowering.forward, triton_lowering.backward)
 
     def logged(name, fn):
         def call(*a, **kw):
@@ -157,6 +162,9 @@ def _run_overlap(case, rank, mesh):
     ring._wait = logged("wait", saved[1])
     ring.block_attention.forward = logged("compute", saved[2])
     ring.block_attention.backward = logged("compute", saved[3])
+    # the Triton lowering's local part: "local" (the SDPA blocks against peers' rows: "compute")
+    triton_lowering.forward = logged("local", saved[4])
+    triton_lowering.backward = logged("local", saved[5])
     forward = []
 
     def between():
@@ -166,7 +174,7 @@ def _run_overlap(case, rank, mesh):
         res = _run_attention(case, rank, mesh, between)
     finally:
         (ring.dist.batch_isend_irecv, ring._wait, ring.block_attention.forward,
-         ring.block_attention.backward) = saved
+         ring.block_attention.backward, triton_lowering.forward, triton_lowering.backward) = saved
     res.update(events_forward=forward, events_backward=list(events))
     return res
 

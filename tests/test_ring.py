@@ -57,6 +57,33 @@ CASES_4 = [
     attention_case("p4_heads_fewer_than_rate", 4, 16, (64,), (4,), causal=True, Hq=2, seed=4),
 ]
 
+# lowering="triton" (interpreted on CPU): the local part runs on the single-device Triton kernels
+# with shard plans, the blocks against peers' rows on SDPA. Shapes that are not multiples of the
+# interpreter's tiles (32 x 16) or of the segments; D = 12 is not a power of two.
+# P = 2, n = 21 (N = 42): w = 6 inside a shard (and cut by the shard edge at 21), w = 16 has
+# segments inside rank 0, across both, and a ragged last one inside rank 1, w = 42 spans both.
+# P = 2, n = 40: sets of 40 rows per shard cross tile edges; w = 36 straddles the edge at 40.
+TRITON_2 = [
+    attention_case("p2_triton_hilbert_ragged", 2, 21, (6, 16, 42), (1, 2, 3), hilbert=True, D=12,
+                   lowering="triton", seed=11),
+    attention_case("p2_triton_causal_gqa", 2, 20, (6, 16, 64), (1, 2, 4), hilbert=True,
+                   causal=True, Hq=4, Hkv=2, B=2, lowering="triton", seed=12, front="public"),
+    attention_case("p2_triton_tiles_causal", 2, 40, (12, 36, 80), (1, 2, 1), causal=True,
+                   Hq=2, lowering="triton", seed=13),
+    # stays on the SDPA blocks (keep bits at global positions; float64): exact all the same
+    attention_case("p2_triton_dropout", 2, 24, (8, 48), (1, 2), dropout_p=0.3,
+                   dropout_seed=99, lowering="triton", seed=14),
+    attention_case("p2_triton_float64", 2, 12, (8, 24), (1, 2), dtype="float64",
+                   lowering="triton", seed=15),
+]
+# P = 4, n = 10: w = 6 inside one shard or across two, w = 24 across two or three, w = 40 all
+TRITON_4 = [
+    attention_case("p4_triton_ragged_causal_gqa", 4, 10, (6, 24, 40), (1, 2, 4), hilbert=True,
+                   causal=True, Hkv=2, lowering="triton", seed=21),
+    attention_case("p4_triton_heads_fewer_than_rate", 4, 13, (8, 52), (1, 4), Hq=2, D=12,
+                   lowering="triton", seed=22),
+]
+
 
 def error_case(name, common, per_rank, expect):
     return dict(kind="error", name=name, common=common, per_rank=per_rank, expect=expect)
@@ -80,6 +107,9 @@ SUBGROUP["kind"] = "subgroup"
 # the order of posts, waits and block computations (communication overlaps computation)
 OVERLAP = attention_case("p2_overlap", 2, 24, (8, 48), (1, 4), hilbert=True, seed=6)
 OVERLAP["kind"] = "overlap"
+OVERLAP_TRITON = attention_case("p2_overlap_triton", 2, 24, (8, 48), (1, 4), hilbert=True,
+                                lowering="triton", seed=16)
+OVERLAP_TRITON["kind"] = "overlap"
 
 # after the errors the same processes must still compute correctly: a last case checks it
 AFTER_ERRORS = attention_case("p2_after_errors", 2, 8, (4, 16), (1, 2), seed=9)
@@ -94,13 +124,14 @@ COMPILED_4 = dict(COMPILED, name="compiled_model_4", world=4, n=12, B=1, segs=[6
 
 @pytest.fixture(scope="module")
 def results2():
-    return ring_worker.launch(2, ERROR_CASES + [AFTER_ERRORS] + CASES_2 + [OVERLAP, COMPILED],
-                              timeout=300)
+    return ring_worker.launch(2, ERROR_CASES + [AFTER_ERRORS] + CASES_2 + [OVERLAP, COMPILED]
+                              + TRITON_2 + [OVERLAP_TRITON], timeout=300)
 
 
 @pytest.fixture(scope="module")
 def results4():
-    return ring_worker.launch(4, [SUBGROUP] + CASES_4 + ERROR_CASES[:2] + [COMPILED_4], timeout=300)
+    return ring_worker.launch(4, [SUBGROUP] + CASES_4 + ERROR_CASES[:2] + [COMPILED_4] + TRITON_4,
+                              timeout=300)
 
 
 def assert_close(got, ref, what, rel):
@@ -156,6 +187,16 @@ def test_two_ranks_match_reference(case, results2):
 
 @pytest.mark.parametrize("case", [SUBGROUP] + CASES_4, ids=lambda c: c["name"])
 def test_four_ranks_match_reference(case, results4):
+    check_case(case, results4)
+
+
+@pytest.mark.parametrize("case", TRITON_2, ids=lambda c: c["name"])
+def test_two_ranks_triton_match_reference(case, results2):
+    check_case(case, results2)
+
+
+@pytest.mark.parametrize("case", TRITON_4, ids=lambda c: c["name"])
+def test_four_ranks_triton_match_reference(case, results4):
     check_case(case, results4)
 
 
@@ -331,3 +372,84 @@ def test_messages_are_posted_before_compute_and_overlap_it(results2):
         last_post = len(bwd) - 1 - bwd[::-1].index("post")  # the gradients' post
         assert bwd.count("post") == 2 and "compute" in bwd[last_post:], bwd
 
+
+
+def test_triton_local_part_runs_on_the_kernels_while_rows_travel(results2):
+    """lowering="triton": the local part is one call of the Triton lowering ("local"), made after
+    every message is posted and before the first wait, forward and backward; only the blocks
+    against peers' rows run on the SDPA kernels ("compute"), after their rows arrived."""
+    check_case(OVERLAP_TRITON, results2)
+    for rank in (0, 1):
+        res = results2[OVERLAP_TRITON["name"]][rank]
+        for events in (res["events_forward"], res["events_backward"]):
+            assert events.count("local") == 1, events
+            assert events.index("post") == 0 and events.index("local") < events.index("wait"), \
+                events
+            assert "compute" in events and "compute" not in events[:events.index("wait")], events
+
+
+# --------------------------------------------------------------------------------------------
+# Shard plans: the local part of every branch on one rank, for the Triton lowering.
+
+def _pairs_of_local_blocks(plan, heads):
+    pairs = set()
+    for blk in plan.local_blocks:
+        for h in range(heads):
+            for s in range(blk.pos.shape[1]):
+                sel = blk.pos[h, s][blk.valid[h, s]].tolist()
+                pairs |= {(h, a, b) for a in sel for b in sel}
+    return pairs
+
+
+@pytest.mark.parametrize("n,world,segs,rates", [
+    (21, 2, (6, 16, 42), (1, 2, 3)), (10, 4, (6, 24, 40), (1, 2, 4)),
+    (7, 3, (5, 9, 21, 40), (1, 3, 3, 8)), (16, 4, (8, 32, 64), (1, 2, 4))])
+@pytest.mark.parametrize("hilbert", [False, True])
+def test_shard_plans_hold_each_selected_position_once(n, world, segs, rates, hilbert):
+    """Per branch and offset, the shard plan's sets hold exactly the branch's selected positions
+    in the shard (in local rows), each once, grouped as the global segments group them; together
+    they cover the same (head, query, key) pairs as the SDPA path's local blocks."""
+    from lowering.plans import branch_plan
+    from lowering.ring_plan import shard_branch_plans
+    heads = 4
+    for rank in range(world):
+        lo = rank * n
+        plans = shard_branch_plans(n, world, rank, segs, rates, hilbert)
+        assert len(plans) == len(segs)
+        pairs = set()
+        for plan, w, r in zip(plans, segs, rates):
+            glob = branch_plan(n * world, w, r, hilbert)
+            for o in range(r):
+                got = []
+                for s in range(plan.num_segments):
+                    sel = plan.positions[o, s, :plan.counts[o, s]]
+                    assert bool((sel < n).all()) and bool((plan.positions[o, s, plan.counts[o, s]:]
+                                                          == n).all())
+                    assert len({int(p + lo) // w for p in sel}) <= 1  # one global segment
+                    got += sel.tolist()
+                want = glob.positions[o]
+                want = want[(want >= lo) & (want < lo + n)] - lo
+                assert sorted(got) == sorted(want.tolist()), (rank, w, r, o)
+            for h in range(heads):
+                o = h % r
+                for s in range(plan.num_segments):
+                    sel = (plan.positions[o, s, :plan.counts[o, s]] + lo).tolist()
+                    pairs |= {(h, a, b) for a in sel for b in sel}
+        ring = ring_plan(n, world, rank, segs, rates, hilbert, False, heads, heads)
+        assert pairs == _pairs_of_local_blocks(ring, heads)
+
+
+def test_aligned_shard_plans_are_the_single_device_plans():
+    """Where the shard's edges fall on segment edges, the shard plan is the single-device plan
+    of a sequence of n positions (the same cached object: strided, no position loads)."""
+    from lowering.plans import branch_plan
+    from lowering.ring_plan import shard_branch_plans
+    plans = shard_branch_plans(16, 4, 1, (8, 16, 64), (1, 2, 4), False)
+    assert plans[0] is branch_plan(16, 8, 1, False) and plans[0].is_strided
+    assert plans[1] is branch_plan(16, 16, 2, False)
+    assert plans[2] is not branch_plan(16, 64, 4, False) and not plans[2].is_strided
+    # rank 3 of 4 holds [30, 40), the end of the sequence: aligned for w = 15 and w = 6 (their
+    # segments start at 30 and are cut at 40 either way), not for w = 4 (a segment starts at 28)
+    last = shard_branch_plans(10, 4, 3, (15, 6, 4), (1, 1, 1), True)
+    assert last[0] is branch_plan(10, 15, 1, True) and last[1] is branch_plan(10, 6, 1, True)
+    assert last[2] is not branch_plan(10, 4, 1, True)
