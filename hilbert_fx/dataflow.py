@@ -305,7 +305,8 @@ class DataFlow:
 #   Tri(lower, k)     a boolean [.., L, L] tensor: key j, query i, True where j <= i + k (lower)
 #                     or j >= i + k (upper): comparisons of two such aranges, torch.tril/triu
 #   Sel(tri, a, b)    a where tri else b, for scalars a and b: float triangles, additive masks
-#   Full(v)           a tensor of one value v over [.., L, L] (torch.ones(n, n), full, zeros)
+#   Full(v)           a tensor whose every element is v, any shape (torch.ones(n, n), full,
+#                     zeros; a small constant found uniform, and anything indexed out of one)
 # Anything else is None: not provably a triangle.
 from dataclasses import dataclass as _dataclass
 
@@ -338,11 +339,15 @@ class Full:
 
 
 def _name(node: fx.Node) -> str:
+    """The op's name, operators' dunders without their underscores (x.__eq__(y) is "eq")."""
+    name = ""
     if node.op == "call_method":
-        return node.target
-    if node.op == "call_function":
-        return getattr(node.target, "__name__", "")
-    return ""
+        name = node.target
+    elif node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+    return name
 
 
 def _same_size(a, b) -> bool:
@@ -353,6 +358,8 @@ def _same_size(a, b) -> bool:
 
 
 _FLIP = {"le": "ge", "ge": "le", "lt": "gt", "gt": "lt"}
+_AND = {"and", "and_", "bitwise_and", "logical_and"}
+_OR = {"or", "or_", "bitwise_or", "logical_or"}
 _KEEP = {"to", "type", "long", "int", "contiguous", "clone", "detach", "expand", "expand_as",
          "bool", "float", "half", "bfloat16", "double", "_to_copy"}
 
@@ -397,8 +404,12 @@ class Triangles:
         return None
 
     def _value(self, x):
-        """An abstract value or a Python scalar."""
+        """An abstract value or a Python scalar (a one-element Full is its value)."""
         v = self(x)
+        if isinstance(v, Full):
+            ex = _example(x)
+            if isinstance(ex, torch.Tensor) and ex.numel() == 1:
+                return v.value
         if v is not None:
             return v
         s = self._scalar(x)
@@ -450,14 +461,17 @@ class Triangles:
                     return None
                 tri = a.tri if hit_a else a.tri.negate()
                 return tri if name == "eq" else tri.negate()
+            values = [x.value if isinstance(x, Full) else x for x in (a, c)]
+            if all(isinstance(x, (bool, int, float)) for x in values) and Full in (type(a), type(c)):
+                return Full((values[0] == values[1]) == (name == "eq"))
             return None
+        if name in _AND or name in _OR:
+            return self._logical(node, name in _AND)
         if name in ("logical_not", "invert", "bitwise_not", "__invert__"):
             v = self._value(args[0])
             return v.negate() if isinstance(v, Tri) else None
         if name in ("ones", "zeros", "full", "ones_like", "zeros_like", "full_like", "new_ones",
                     "new_zeros", "new_full"):
-            if not self._square(node):
-                return None
             if name.endswith("ones"):
                 value = 1
             elif name.endswith("zeros"):
@@ -470,7 +484,7 @@ class Triangles:
         if name in ("tril", "triu"):
             base = self._value(args[0])
             k = _arg(node, 1, "diagonal", 0)
-            if not isinstance(base, Full) or not isinstance(k, int):
+            if not isinstance(base, Full) or not isinstance(k, int) or not self._square(node):
                 return None
             tri = Tri(name == "tril", k)
             return tri if base.value is True else Sel(tri, base.value, 0)
@@ -493,6 +507,43 @@ class Triangles:
             if isinstance(a, Sel) and isinstance(c, (int, float)) and not isinstance(c, bool):
                 return Sel(a.tri, a.a * c, a.b * c)
             return None
+        return self._uniform_constant(node)
+
+    def _uniform_constant(self, node: fx.Node):
+        """Full(v) for a small compile-time constant whose elements all equal v: transformers'
+        document ids of one unpacked sequence (position ids 0..N-1 give a single document)."""
+        value = self.flow.constant_value(node)
+        if not isinstance(value, torch.Tensor) or value.numel() == 0 or value.is_complex():
+            return None
+        first = value.flatten()[0]
+        if not bool((value == first).all()):
+            return None
+        return Full(first.item())
+
+    def _logical(self, node: fx.Node, is_and: bool):
+        """a & b, a | b of boolean masks where one side is a Full: the other side, or the Full.
+        A Tri keeps its meaning only if the result has the Tri's last two dims."""
+        nodes = [node.args[0], _arg(node, 1, "other")]
+        a, b = (Full(x) if isinstance(x, (bool, int, float)) else x
+                for x in (self._value(nodes[0]), self._value(nodes[1])))
+        ex = _example(node)
+        if not isinstance(ex, torch.Tensor) or ex.dtype != torch.bool:
+            return None
+        if isinstance(b, Full) and not isinstance(a, Full):
+            a, b, nodes = b, a, nodes[::-1]
+        if not isinstance(a, Full):
+            return None
+        other_node = nodes[1]
+        absorbing = not is_and  # x & False is False, x | True is True
+        if bool(a.value) == absorbing:
+            return Full(absorbing)
+        if isinstance(b, Full):
+            return Full(bool(b.value))
+        if isinstance(b, Tri):
+            src = _example(other_node)
+            if isinstance(src, torch.Tensor) and src.dtype == torch.bool and src.dim() >= 2 \
+                    and _same_size(ex.shape[-1], src.shape[-1]) and _same_size(ex.shape[-2], src.shape[-2]):
+                return b
         return None
 
     @staticmethod
@@ -519,6 +570,8 @@ class Triangles:
             return v if not ex.dtype.is_floating_point else None
         if not _same_size(ex.shape[-1], src.shape[-1]) or not _same_size(ex.shape[-2], src.shape[-2]):
             return None
+        if isinstance(v, Full):
+            return Full(bool(v.value)) if ex.dtype == torch.bool else v
         if ex.dtype == torch.bool:
             if isinstance(v, Tri):
                 return v
@@ -562,7 +615,9 @@ class Triangles:
             if consumed <= src_dim:  # trailing dims not named: kept in place
                 return Pos(out + (src_dim - consumed) - ex.dim(), v.off)
             return None
-        if isinstance(v, (Tri, Sel, Full)):  # new leading dims only: the triangle is kept
+        if isinstance(v, Full):  # any element of a uniform tensor is its value
+            return v
+        if isinstance(v, (Tri, Sel)):  # new leading dims only: the triangle is kept
             plain = all(i is None or i is Ellipsis or i == slice(None) for i in idx)
             if plain and ex.dim() >= 2 and _same_size(ex.shape[-1], src.shape[-1]) and _same_size(
                     ex.shape[-2], src.shape[-2]) and (idx[-1] is Ellipsis or idx[-1] == slice(None)

@@ -492,3 +492,75 @@ def test_returned_attention_weights_are_skipped_with_their_reason():
     report = hilbert_fx.explain(attention, x, w, backend=hilbert_fx.backend(W, R, lowering="sdpa"))
     assert [(s.action, s.reason) for s in report.sites] == [
         ("skipped", "attention weights are used outside the attention")], report
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers 5.17 under torch.compile hands SDPA a boolean mask: causal AND "same document",
+# the documents found from position ids. With position ids 0..N-1 (one document) that is the
+# causal triangle; with packed documents it is a real mask and must stay.
+# ---------------------------------------------------------------------------------------------
+def sdpa_document_mask(m, x, position_ids):
+    b, n, _ = x.shape
+    if position_ids is None:
+        position_ids = (torch.arange(n) + 0).unsqueeze(0)
+    first = position_ids[:, :1] - 1
+    documents = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    batch_idx = torch.arange(b)[:, None, None, None]
+    q_idx = (torch.arange(n) + 0)[None, None, :, None]
+    kv_idx = (torch.arange(n) + 0)[None, None, None, :]
+    mask = q_idx.new_ones((), dtype=torch.bool)
+    mask = mask & (kv_idx <= q_idx).to(x.device)
+    mask = mask & documents[batch_idx, q_idx].__eq__(documents[batch_idx, kv_idx]).to(x.device)
+    q, k, v = project(x, m.w)
+    return merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(b, -1, n, n)))
+
+
+def document_mask(position_ids, n):
+    first = position_ids[:, :1] - 1
+    documents = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    return causal & (documents[:, :, None] == documents[:, None, :])[:, None]
+
+
+@pytest.mark.parametrize("limit", [None, 64], ids=["evaluated", "read_symbolically"])
+def test_one_document_mask_is_causal(limit, monkeypatch):
+    """limit 64: the [N, N] mask is too large to evaluate at compile time (as at 32K tokens),
+    so it is read symbolically; the document ids ([1, N]) are still small enough to evaluate."""
+    from hilbert_fx import dataflow
+    if limit is not None:
+        monkeypatch.setattr(dataflow, "CONSTANT_NUMEL_LIMIT", limit)
+    torch.manual_seed(0)
+    model = Variant(lambda m, x, keep: sdpa_document_mask(m, x, None)).eval()
+    x, keep = inputs(1)
+    _, rec = compile_and_record(model, x, keep)
+    assert [(s.kind, s.action) for s in rec.sites] == [("sdpa", "rewritten")]
+    (call,) = op_calls(rec)
+    assert (call.args[6], call.args[7]) == (True, None)
+    for gm in rec.graphs:  # the mask is dead and gone
+        for node in gm.graph.nodes:
+            ex = node.meta.get("example_value")
+            if isinstance(ex, torch.Tensor) and ex.dim() >= 2:
+                assert tuple(ex.shape[-2:]) != (N, N), f"{node.format_node()} left in the graph"
+    x2, keep2 = inputs(2)
+    x2.requires_grad_(True)
+    out = torch.compile(model, backend=rec, fullgraph=True)(x2, keep2)
+    x_ref = x2.detach().double().requires_grad_(True)
+    expected = reference(model, x_ref, keep2, "causal", H)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+    grad = torch.randn_like(expected)
+    (gx,) = torch.autograd.grad(out, (x2,), grad.float())
+    (gx_ref,) = torch.autograd.grad(expected, (x_ref,), grad)
+    torch.testing.assert_close(gx.double(), gx_ref, atol=5e-5, rtol=1e-3)
+
+
+def test_packed_documents_keep_their_mask():
+    torch.manual_seed(0)
+    model = Variant(lambda m, x, pos: sdpa_document_mask(m, x, pos)).eval()
+    x, _ = inputs(3)
+    pos = torch.cat([torch.arange(10), torch.arange(N - 10)]).expand(B, N)
+    out, rec = compile_and_record(model, x, pos)
+    (call,) = op_calls(rec)
+    assert call.args[6] is False and call.args[7] is not None
+    q, k, v = project(x.double(), model.w.double())
+    expected = reference_dilated_attention(q, k, v, W, R, hilbert=True, attn_mask=document_mask(pos, N))
+    torch.testing.assert_close(out.double(), merge(expected), atol=2e-5, rtol=1e-4)
