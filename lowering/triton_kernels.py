@@ -99,24 +99,30 @@ def _fwd_tiles(acc, l_i, m_i, q, pos_m, offs_m, qhash, lo, hi,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
                CAUSAL: tl.constexpr, STRIDED: tl.constexpr, MASK_KIND: tl.constexpr,
-               DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+               DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+               NONNEG_SCALE: tl.constexpr):
     """Online softmax of one query tile over the key members [lo, hi) of its set."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         pos_n = _set_positions(Pos, set_base, stride_pm, first, R, offs_n, count, STRIDED)
         key_ok = offs_n < count
         k = _load_rows(K_base, pos_n, stride_kn, stride_kd, key_ok, HEAD_DIM, BLOCK_D, EDGE, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = _masked_scores(s, M_base, pos_m[:, None], pos_n[None, :], stride_mq, stride_mk,
-                           MASK_KIND)
-        if EDGE:
-            ok = key_ok[None, :]
-            if CAUSAL:
-                ok = ok & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
-        p = tl.math.exp2(s - m_use[:, None])
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if EDGE or MASK_KIND != 0 or not NONNEG_SCALE:  # scores may be -inf, whole rows even
+            s = _masked_scores(qk * qk_scale, M_base, pos_m[:, None], pos_n[None, :], stride_mq,
+                               stride_mk, MASK_KIND)
+            if EDGE:
+                ok = key_ok[None, :]
+                if CAUSAL:
+                    ok = ok & (offs_n[None, :] <= offs_m[:, None])
+                s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
+            p = tl.math.exp2(s - m_use[:, None])
+        else:  # every score finite, scale >= 0: the maximum of the raw products, one FMA a score
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_use = m_new
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -143,7 +149,7 @@ def _fwd_kernel(Q, K, V, Out, Acc, Lse, Pos, Cnt, Mask, Seed,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 STRIDED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                 DROPOUT: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr, NONNEG_SCALE: tl.constexpr):
     """One branch, one program per (query tile, batch * head, segment).
 
     Computes the branch's attention for the tile's query rows and merges it by log-sum-exp
@@ -196,13 +202,13 @@ def _fwd_kernel(Q, K, V, Out, Acc, Lse, Pos, Cnt, Mask, Seed,
         stride_kn, stride_kd, stride_vn, stride_vd, Pos, set_base, stride_pm, first, R, count,
         M_base, stride_mq, stride_mk, qk_scale, keep_threshold,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, CAUSAL, STRIDED, MASK_KIND,
-        DROPOUT, UPCAST, PRECISION)
+        DROPOUT, UPCAST, PRECISION, NONNEG_SCALE)
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, pos_m, offs_m, qhash, lo, hi, K_base, V_base,
         stride_kn, stride_kd, stride_vn, stride_vd, Pos, set_base, stride_pm, first, R, count,
         M_base, stride_mq, stride_mk, qk_scale, keep_threshold,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, CAUSAL, STRIDED, MASK_KIND,
-        DROPOUT, UPCAST, PRECISION)
+        DROPOUT, UPCAST, PRECISION, NONNEG_SCALE)
 
     # This branch's result: o (normalised) and its log-sum-exp, -inf for rows with no key.
     empty = l_i == 0.0

@@ -123,7 +123,7 @@ def configs(draw, max_n=40, max_heads=4, max_branches=3):
         B=draw(st.integers(1, 2)), Hq=Hq, Hkv=Hkv, gqa=gqa,
         D=draw(st.sampled_from([4, 8, 16])), hilbert=draw(st.booleans()),
         causal=masking == "causal", mask=mask,
-        scale=draw(st.sampled_from([None, None, 0.1, 0.7, 1.3])),
+        scale=draw(st.sampled_from([None, None, 0.1, 0.7, 1.3, -0.5])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
