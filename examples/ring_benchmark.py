@@ -3,14 +3,19 @@
     torchrun --nproc-per-node P examples/ring_benchmark.py --out results/ring
     python examples/ring_benchmark.py --nproc P --out results/ring        # same, via spawn
 
+The ring op runs with --ring-lowering ("auto" by default: the Triton kernels for the local part
+on GPUs of compute capability 8.0 or more, lowering/ring.py; "sdpa" for the SDPA blocks only).
+
 1. Correctness (--check, on by default): small problems (n_check tokens per GPU), the ring op on P
-   GPUs against the single-device op on one GPU over the whole sequence, forward and backward
-   (out, dq, dk, dv), in bfloat16 and float32; both are also compared with the single-device op in
-   float32, so that the ring's error can be read next to the single GPU's own rounding.
+   GPUs against the single-device op on one GPU over the whole sequence with the ring's lowering,
+   forward and backward (out, dq, dk, dv), in bfloat16 and float32; both are also compared with the
+   single-device op (--lowering) in float32, so that the ring's error can be read next to the
+   single GPU's own rounding.
 2. Weak scaling: --tokens-per-gpu tokens on each GPU (65536 by default), with a branch set whose
    largest segment spans every GPU (P_max * tokens). For each P in 1, 2, 4, ... up to the GPUs
    launched: the time of the single-device op on one GPU over --tokens-per-gpu tokens (P = 1) and
-   of the ring op on P GPUs over P times the tokens. Efficiency = T(1) / T(P). Also printed: the
+   of the ring op on P GPUs over P times the tokens. Efficiency = T(1) / T(P); against the best
+   single-GPU op read the column of the extra baseline ("auto": Triton on the GPU). Also printed: the
    work ratio (attention pairs per GPU at P = 1 over those at P; the branch whose segments grow
    with the sequence makes each GPU's work grow, so this bounds the efficiency from above), the
    bytes each rank sent (measured) and what a dense ring would send.
@@ -23,6 +28,12 @@ collective that waits longer than --collective-timeout-s raises instead of hangi
 The run the lead makes on an H200 machine (2 GPUs; the same with --nproc 4 on 4):
 
     python examples/ring_benchmark.py --nproc 2 --out $OUT
+
+A smoke test of this script on CPU (gloo; the Triton kernels interpreted):
+
+    TRITON_INTERPRET=1 python examples/ring_benchmark.py --cpu --nproc 2 --out /tmp/rb \
+        --ring-lowering triton --tokens-per-gpu 64 --heads 2 --head-dim 16 --n-check 48 \
+        --warmup 1 --iters 1 --modes fwd,fwd+bwd --causal both --extra-baseline ""
 """
 from __future__ import annotations
 
@@ -72,8 +83,11 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--lowering", default="sdpa",
-                   help="lowering of the single-device op in the check and the P = 1 baseline "
-                        "(the ring's blocks run on the SDPA kernels)")
+                   help="lowering of the single-device op in the P = 1 baseline and of the "
+                        "float32 truth in the check")
+    p.add_argument("--ring-lowering", default="auto", choices=["auto", "triton", "sdpa"],
+                   help="lowering of the ring op (auto: triton on GPUs of compute capability "
+                        ">= 8.0, else sdpa); the check's single-device op in bf16/fp32 uses it too")
     p.add_argument("--extra-baseline", default="auto",
                    help="also time the single-device op with this lowering at P = 1 ('' for none)")
     p.add_argument("--budget-s", type=float, default=250.0,
@@ -160,6 +174,12 @@ def make_inputs(n_total, args, dtype, seed, device, requires_grad=False):
     return q, k, v, do
 
 
+def ring_lowering(args) -> str:
+    """--ring-lowering resolved for this process's device, as the op resolves it."""
+    from lowering.arguments import resolve_lowering
+    return resolve_lowering(args.ring_lowering, torch.device(DEV))
+
+
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -174,6 +194,7 @@ def check(args, mesh, rank, world):
     n = args.n_check
     n_total = n * world
     rows = []
+    lowering_ring = ring_lowering(args)
     configs = [
         dict(name="hilbert", segs=[256, 1024, n_total], rates=[1, 2, 8], hilbert=True,
              causal=False, hkv=None),
@@ -196,7 +217,7 @@ def check(args, mesh, rank, world):
             ql, kl, vl = (x[:, :, sl].to(dtype).clone().requires_grad_(True) for x in (q, k, v))
             out = ring_dilated_attention(ql, kl, vl, cfg["segs"], cfg["rates"],
                                          hilbert=cfg["hilbert"], is_causal=cfg["causal"],
-                                         lowering="sdpa", mesh=mesh)
+                                         lowering=lowering_ring, mesh=mesh)
             out.backward(do[:, :, sl].to(dtype))
             mine = [out.detach(), ql.grad, kl.grad, vl.grad]
             gathered = []
@@ -205,22 +226,23 @@ def check(args, mesh, rank, world):
                 dist.all_gather(parts, t.contiguous(), group=mesh.get_group())
                 gathered.append(torch.cat(parts, dim=2))
             if rank == 0:
-                def single(dt):
+                def single(dt, low):
                     qf, kf, vf = (x.to(dt).clone().requires_grad_(True) for x in (q, k, v))
                     o = lowering.dilated_attention(qf, kf, vf, cfg["segs"], cfg["rates"],
                                                    hilbert=cfg["hilbert"],
                                                    is_causal=cfg["causal"],
                                                    enable_gqa=cfg["hkv"] is not None,
-                                                   lowering=args.lowering)
+                                                   lowering=low)
                     o.backward(do.to(dt))
                     return [o.detach(), qf.grad, kf.grad, vf.grad]
-                one = single(dtype)
-                truth = single(torch.float32)
+                one = single(dtype, lowering_ring)
+                truth = single(torch.float32, args.lowering)
                 for name, a, b, t in zip(("out", "dq", "dk", "dv"), gathered, one, truth):
                     r_ring, r_one = rel_err(a, t), rel_err(b, t)
                     # the ring is as close to float32 truth as the single GPU's own op is
                     floor = 1e-4 if dtype == torch.float32 else 1e-2
                     rows.append(dict(config=cfg["name"], dtype=dname, tensor=name,
+                                     ring_lowering=lowering_ring,
                                      max_abs_ring_vs_1gpu=float((a.float() - b.float()).abs().max()),
                                      rel_ring_vs_1gpu=rel_err(a, b),
                                      rel_ring_vs_fp32=r_ring, rel_1gpu_vs_fp32=r_one,
@@ -259,9 +281,11 @@ def weak_scaling(args, rank, world, t_start, on_row):
     # on CPU, where the blocks run in float32)
     elem = 4 if DEV == "cpu" and dtype in (torch.float16, torch.bfloat16) else \
         torch.finfo(dtype).bits // 8
-    log(f"branches: segment_lengths={segs} dilation_rates={rates} hilbert={hilbert}")
+    lowering_ring = ring_lowering(args)
+    log(f"branches: segment_lengths={segs} dilation_rates={rates} hilbert={hilbert}; "
+        f"ring lowering {lowering_ring}")
     res = dict(segment_lengths=segs, dilation_rates=rates, hilbert=hilbert, results=[],
-               skipped=[])
+               skipped=[], ring_lowering=lowering_ring, lowering=args.lowering)
     groups = {p: (dist.new_group(list(range(p))) if p > 1 else None) for p in sizes}
     one_group = dist.new_group([0])  # P = 1: the ring op on a group of one GPU
     for p, g in list(groups.items()) + [(1, one_group)]:  # connect every group before timing
@@ -298,7 +322,7 @@ def weak_scaling(args, rank, world, t_start, on_row):
                     ring_group = group if group is not None else one_group
 
                     def run():
-                        call(ring_dilated_attention, lowering="sdpa", mesh=ring_group)
+                        call(ring_dilated_attention, lowering=lowering_ring, mesh=ring_group)
                     if p == 1:  # the single-device op too
                         op_ms = timed(lambda: call(lowering.dilated_attention,
                                                    enable_gqa=hkv != args.heads,
@@ -356,6 +380,7 @@ def weak_scaling(args, rank, world, t_start, on_row):
                         pairs_per_gpu(n_total, p, segs, rates, hilbert, causal, args.heads)
                     res["results"].append(dict(
                         causal=causal, mode=mode, gpus=p, tokens=n_total, ms=ms,
+                        ring_lowering=lowering_ring,
                         single_device_op_ms=op_ms if p == 1 else None,
                         extra_baseline=args.extra_baseline or None,
                         extra_baseline_ms=extra_ms if p == 1 else None,
@@ -387,6 +412,9 @@ def table_md(res, check_rows, meta) -> str:
         lines += [f"**ERROR** {e}", ""]
     if check_rows:
         lines += ["## Correctness: ring on P GPUs vs the single-device op on one GPU", "",
+                  f"ring and single-device op with lowering "
+                  f"{check_rows[0].get('ring_lowering', 'sdpa')}; fp32 truth: the single-device "
+                  f"op with --lowering in float32", "",
                   "| config | dtype | tensor | max abs ring-1gpu | rel ring-1gpu | rel ring-fp32 | rel 1gpu-fp32 | ok |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in check_rows:
@@ -401,12 +429,13 @@ def table_md(res, check_rows, meta) -> str:
         lines += [f"## Weak scaling: {meta['tokens_per_gpu']} tokens per GPU", "",
                   f"segment_lengths={res['segment_lengths']} dilation_rates={res['dilation_rates']} "
                   f"hilbert={res['hilbert']}; B={meta['batch']} H={meta['heads']} "
-                  f"Hkv={meta['kv_heads']} D={meta['head_dim']} {meta['dtype']}", "",
+                  f"Hkv={meta['kv_heads']} D={meta['head_dim']} {meta['dtype']}; ring op "
+                  f"lowering: {res.get('ring_lowering', 'sdpa')}", "",
                   "efficiency = T(ring op, 1 GPU, n tokens) / T(ring op, P GPUs, P n tokens); "
                   "work ratio = attention pairs per GPU at P = 1 over those at P (an upper bound "
                   "of the efficiency); the single-device op columns use it for T(1) instead.", "",
                   "| causal | pass | GPUs | tokens | ms | efficiency | work ratio "
-                  "| eff. vs single-device op (sdpa) "
+                  f"| eff. vs single-device op ({res.get('lowering', 'sdpa')}) "
                   + (f"| eff. vs single-device op ({extra}) " if extra else "")
                   + "| MiB sent per rank (measured) | planned | dense ring MiB | sent / dense |",
                   "|---|---|---|---|---|---|---|---|" + ("---|" if extra else "")
