@@ -229,6 +229,9 @@ def _local_error(q, k, v, segment_lengths, dilation_rates, attn_mask, lowering) 
     if q.shape[1] % k.shape[1]:
         return (f"the number of query heads must be a multiple of the key/value heads: q has "
                 f"{q.shape[1]}, k has {k.shape[1]}")
+    if not (q.dtype == k.dtype == v.dtype):
+        return (f"q, k and v must have the same dtype (as in SDPA), got q {q.dtype}, "
+                f"k {k.dtype}, v {v.dtype}")
     return None
 
 
@@ -394,18 +397,17 @@ def _triton_forward(q, k, v, plan: RingPlan, group, *, segment_lengths, dilation
     blocks on the SDPA kernels into compact float32 buffers, merged into the rows they cover."""
     from . import triton_lowering
     b, hq, n, _ = q.shape
-    hkv = k.shape[1]
     block_dtype = _compute_dtype(q)  # the blocks' (float32 for half types on CPU)
-    qc, kc, vc = (x.to(block_dtype).contiguous() for x in (q, k, v))
+    # the kernels read q, k, v by strides, and the blocks gather their rows: no copies needed
+    qc, kc, vc = (x.to(block_dtype) for x in (q, k, v))
     heads = torch.arange(hq, device=q.device)
     dk, dv = k.shape[-1], v.shape[-1]
 
     posted = _post_kv(plan, group, kc, vc, "forward_bytes", tag=1)
 
     out, lse = triton_lowering.forward(
-        q.contiguous(), k.contiguous(), v.contiguous(),
-        _shard_plans(q, plan, segment_lengths, dilation_rates, hilbert), is_causal=is_causal,
-        attn_mask=None, scale=scale, dropout_p=0.0, seed=None)
+        q, k, v, _shard_plans(q, plan, segment_lengths, dilation_rates, hilbert),
+        is_causal=is_causal, attn_mask=None, scale=scale, dropout_p=0.0, seed=None)
     total = plan.peer_rows.numel()
     if total:
         acc = torch.zeros(b, total + 1, dv, dtype=torch.float32, device=q.device)
@@ -441,15 +443,15 @@ def _triton_backward(dout, q, k, v, out, lse, plan: RingPlan, group, *, segment_
     from . import triton_lowering
     b, hq, n, d = q.shape
     block_dtype = _compute_dtype(q)
-    qc, kc, vc, out_c, dout_c = (x.to(block_dtype).contiguous() for x in (q, k, v, out, dout))
+    qc, kc, vc, out_c, dout_c = (x.to(block_dtype) for x in (q, k, v, out, dout))
     heads = torch.arange(hq, device=q.device)
     dk_dim, dv_dim = k.shape[-1], v.shape[-1]
 
     posted = _post_kv(plan, group, kc, vc, "backward_bytes", tag=2)
 
     dq, dk, dv = triton_lowering.backward(
-        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
-        lse.float().contiguous(), _shard_plans(q, plan, segment_lengths, dilation_rates, hilbert),
+        dout, q, k, v, out, lse.float(),
+        _shard_plans(q, plan, segment_lengths, dilation_rates, hilbert),
         is_causal=is_causal, attn_mask=None, scale=scale, dropout_p=0.0, seed=None)
     if not plan.has_peers:
         return dq, dk, dv

@@ -62,7 +62,12 @@ def _run_attention(case, rank, mesh, between=None):
     q, k, v, dout = full_inputs(case)
     n = case["n"]
     sl = slice(rank * n, (rank + 1) * n)
-    ql, kl, vl = (x[:, :, sl].clone().requires_grad_(True) for x in (q, k, v))
+    if case.get("layout") == "bnhd":  # [B, N, H, D] storage, as models make them: strided views
+        leaves = [x[:, :, sl].transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v)]
+        ql, kl, vl = (x.transpose(1, 2) for x in leaves)
+    else:
+        leaves = [x[:, :, sl].clone().requires_grad_(True) for x in (q, k, v)]
+        ql, kl, vl = leaves
     seed = None
     if case.get("dropout_p", 0.0) > 0:
         # every rank passes its own seed on purpose: rank 0's must be used everywhere
@@ -86,7 +91,9 @@ def _run_attention(case, rank, mesh, between=None):
         between()
     out.backward(dout[:, :, sl])
     after = ring.comm_stats()
-    return {"out": _np(out), "dq": _np(ql.grad), "dk": _np(kl.grad), "dv": _np(vl.grad),
+    dq, dk, dv = (x.grad.transpose(1, 2) if case.get("layout") == "bnhd" else x.grad
+                  for x in leaves)
+    return {"out": _np(out), "dq": _np(dq), "dk": _np(dk), "dv": _np(dv),
             "forward_bytes": mid["forward_bytes"] - before["forward_bytes"],
             "backward_bytes": after["backward_bytes"] - mid["backward_bytes"]}
 

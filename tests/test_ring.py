@@ -59,13 +59,14 @@ CASES_4 = [
 
 # lowering="triton" (interpreted on CPU): the local part runs on the single-device Triton kernels
 # with shard plans, the blocks against peers' rows on SDPA. Shapes that are not multiples of the
-# interpreter's tiles (32 x 16) or of the segments; D = 12 is not a power of two.
+# interpreter's tiles (32 x 16) or of the segments; D = 12 is not a power of two; "bnhd": q, k, v
+# are strided views of [B, N, H, D] tensors.
 # P = 2, n = 21 (N = 42): w = 6 inside a shard (and cut by the shard edge at 21), w = 16 has
 # segments inside rank 0, across both, and a ragged last one inside rank 1, w = 42 spans both.
 # P = 2, n = 40: sets of 40 rows per shard cross tile edges; w = 36 straddles the edge at 40.
 TRITON_2 = [
     attention_case("p2_triton_hilbert_ragged", 2, 21, (6, 16, 42), (1, 2, 3), hilbert=True, D=12,
-                   lowering="triton", seed=11),
+                   lowering="triton", seed=11, layout="bnhd"),
     attention_case("p2_triton_causal_gqa", 2, 20, (6, 16, 64), (1, 2, 4), hilbert=True,
                    causal=True, Hq=4, Hkv=2, B=2, lowering="triton", seed=12, front="public"),
     attention_case("p2_triton_tiles_causal", 2, 40, (12, 36, 80), (1, 2, 1), causal=True,
