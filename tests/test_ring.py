@@ -249,7 +249,8 @@ def rows_from_the_reference(case):
     return sent, received, [len(d) for d in distinct]
 
 
-BYTES_CASES = [(CASES_2[0], 2), (CASES_2[2], 2), (CASES_4[0], 4), (CASES_4[1], 4), (CASES_4[2], 4)]
+BYTES_CASES = [(CASES_2[0], 2), (CASES_2[2], 2), (CASES_4[0], 4), (CASES_4[1], 4), (CASES_4[2], 4),
+               (TRITON_2[0], 2), (TRITON_4[1], 4)]  # the Triton path sends the same rows
 
 
 @pytest.mark.parametrize("case", [c for c, _ in BYTES_CASES], ids=lambda c: c["name"])
