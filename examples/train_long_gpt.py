@@ -1,17 +1,30 @@
 """Train a GPT-style decoder at long context with backend="hilbert_dilated", against dense.
 
 The model: a transformers Llama (random initialisation), by default 12 layers, width 1024, 16 heads.
-The task: copying. Each sequence is N random tokens whose second half repeats its first half, so
-every answer lies N/2 positions back. The loss is taken on the second half only; the tokens are
-uniform, so a model that does not use the context cannot go below ln(vocab): a loss under that
-line is long-range retrieval.
+The task: copying at distance d. Each sequence is a block of d uniform random tokens (vocab 64)
+repeated to length N, so every token from position d on equals the token d positions back; the
+loss is taken on positions d+1.. only. By default d = N/2 + 1 (--shift 1): the answer lies about
+half the sequence back. A model that does not use the context cannot go below ln(vocab) = 4.159
+(the unigram floor, printed at the start): a loss clearly under that line, at d = N/2 + 1, is
+long-range retrieval. Sitting at 4.16 means nothing was retrieved.
+
+Why d = N/2 + 1 and hilbert=False (1-D text): to predict token p+1 the model reads position
+p + 1 - d. With d = 1 mod max(rate), that position has the same residue mod r as p for every
+branch, so the query and its answer share a selected set in the whole-sequence branch (r = 16,
+the head with offset p mod 16) and retrieval is one hop. With d = N/2 (or Hilbert-ordered sets)
+the answer is never in the query's own set there and must be routed through a second hop.
+
+--d0 D turns on a curriculum: train at distance D first and double d (kept = 1 mod max(rate))
+each time the mean loss of the last 10 steps falls under --advance, up to N/2 + 1. Each log line
+prints the d of that step.
 
 In the same run (GPU): step time and peak memory of the dilated backend and of
 backend="inductor" (dense, FlashAttention through SDPA) at the training length, and the longest
 context each can train one step on.
 
-    python examples/train_long_gpt.py --steps 200 --seq-len 32768
-    python examples/train_long_gpt.py --device cpu --layers 2 --width 128 --heads 4 --seq-len 512 --steps 30
+    python examples/train_long_gpt.py --steps 400 --seq-len 32768
+    python examples/train_long_gpt.py --device cpu --layers 2 --width 128 --heads 16 --seq-len 512 --steps 30 \
+        --segment-lengths 32 64 128 256 512 --backends hilbert_dilated
 """
 from __future__ import annotations
 
@@ -23,7 +36,12 @@ import time
 
 import torch
 
-import hilbert_fx
+try:
+    import hilbert_fx
+except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+    import hilbert_fx
 
 
 def build_model(args, device):
@@ -37,12 +55,17 @@ def build_model(args, device):
     return LlamaForCausalLM(config).to(device)
 
 
-def batch(args, n, device, generator):
-    half = torch.randint(0, args.vocab, (args.batch, n // 2), generator=generator)
-    tokens = torch.cat([half, half], dim=1).to(device)
+def copy_distance(args, n):
+    return n // 2 + getattr(args, "shift", 1)
+
+
+def batch(args, n, device, generator, d=None):
+    d = copy_distance(args, n) if d is None else d
+    block = torch.randint(0, args.vocab, (args.batch, d), generator=generator)
+    tokens = block.repeat(1, -(-n // d))[:, :n]
     labels = tokens.clone()
-    labels[:, : n // 2] = -100
-    return tokens, labels
+    labels[:, : d + 1] = -100
+    return tokens.to(device), labels.to(device)
 
 
 def make_backend(args):
@@ -50,7 +73,7 @@ def make_backend(args):
         return "inductor"
     w = tuple(args.segment_lengths)
     r = tuple(args.dilation_rates)
-    return hilbert_fx.backend(segment_lengths=w, dilation_rates=r, hilbert=True)
+    return hilbert_fx.backend(segment_lengths=w, dilation_rates=r, hilbert=bool(getattr(args, "hilbert", False)))
 
 
 def train(args, device, backend_name):
@@ -63,24 +86,35 @@ def train(args, device, backend_name):
     losses, times = [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    warmup = getattr(args, "warmup", 0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+    full = copy_distance(args, args.seq_len)
+    rmax = max(args.dilation_rates)
+    d = min(full, getattr(args, "d0", 0) or full)    # curriculum: start at d0, double when learned
+    at_d, distances = [], []
     for step in range(args.steps):
-        tokens, labels = batch(args, args.seq_len, device, gen)
+        if d < full and len(at_d) >= 10 and sum(at_d[-10:]) / 10 < getattr(args, "advance", 1.0):
+            d, at_d = min(full, 2 * (d // rmax) * rmax + full % rmax), []
+        tokens, labels = batch(args, args.seq_len, device, gen, d)
         start = time.perf_counter()
         with autocast:
             loss = compiled(input_ids=tokens, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
+        at_d.append(losses[-1])
+        distances.append(d)
         if step % args.log_every == 0 or step == args.steps - 1:
-            print(f"  [{backend_name}] step {step:4d}  loss {losses[-1]:.3f}  ({times[-1] * 1e3:.0f} ms)", flush=True)
+            print(f"  [{backend_name}] step {step:4d}  d {d:6d}  loss {losses[-1]:.3f}  ({times[-1] * 1e3:.0f} ms)", flush=True)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     steady = sorted(times[min(3, len(times) - 1):])
-    result = dict(backend=backend_name, losses=losses, step_ms=1e3 * steady[len(steady) // 2], peak_gib=peak)
+    result = dict(backend=backend_name, losses=losses, distances=distances, step_ms=1e3 * steady[len(steady) // 2], peak_gib=peak)
     del compiled, model, opt
     torch._dynamo.reset()
     if device.type == "cuda":
@@ -126,18 +160,23 @@ def main():
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=32768)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--segment-lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     p.add_argument("--dilation-rates", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--shift", type=int, default=1, help="copy distance d = seq_len / 2 + shift")
+    p.add_argument("--d0", type=int, default=0, help="curriculum: first copy distance (0: none)")
+    p.add_argument("--advance", type=float, default=1.0, help="curriculum: double d when the loss falls under this")
+    p.add_argument("--warmup", type=int, default=20, help="linear learning-rate warm-up steps")
+    p.add_argument("--hilbert", type=int, default=0, help="1: Hilbert-ordered dilation (2-D data)")
     p.add_argument("--backends", nargs="+", default=["hilbert_dilated", "inductor"])
     p.add_argument("--probe", type=int, nargs="*", default=[], help="lengths to probe for the longest context (GPU)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     device = torch.device(args.device)
     results = {"args": vars(args).copy(), "train": [], "longest": {}}
-    print(f"copy task, vocab {args.vocab}: a model that ignores the context sits at ln(vocab) = "
+    print(f"copy task, distance {copy_distance(args, args.seq_len)}, vocab {args.vocab}: a model that ignores the context sits at ln(vocab) = "
           f"{math.log(args.vocab):.3f}")
     for name in args.backends:
         results["train"].append(train(args, device, name))

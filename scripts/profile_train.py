@@ -20,7 +20,7 @@ def main():
     p.add_argument("--rows", type=int, default=25)
     a = p.parse_args()
     ns = argparse.Namespace(vocab=64, width=1024, heads=16, layers=a.layers, probe=[], seq_len=a.seq_len,
-                            batch=1, segment_lengths=[2048, 4096, 8192, 16384, 32768],
+                            batch=1, shift=1, hilbert=0, segment_lengths=[2048, 4096, 8192, 16384, 32768],
                             dilation_rates=[1, 2, 4, 8, 16], backend=a.backend)
     model = t.build_model(ns, torch.device("cuda"))
     compiled = torch.compile(model, backend=t.make_backend(ns), dynamic=False)
