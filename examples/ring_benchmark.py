@@ -94,6 +94,8 @@ def parse_args(argv=None):
                    help="skip weak-scaling rows that would start after this many seconds")
     p.add_argument("--collective-timeout-s", type=float, default=240.0,
                    help="a collective (or an idle rank's barrier) waiting longer raises")
+    p.add_argument("--timing", choices=["sync", "pipelined"], default="sync",
+                   help="each call alone (sync) or calls back to back (pipelined); see timed()")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--n-check", type=int, default=4096, help="tokens per GPU in the check")
     p.add_argument("--cpu", action="store_true", help="smoke test on CPU with gloo (tiny sizes)")
@@ -124,13 +126,32 @@ def log(*a):
         print(*a, flush=True)
 
 
+PIPELINED = False  # --timing pipelined
+
+
 def timed(fn, warmup: int, iters: int, group=None) -> float:
-    """Median milliseconds per call on this rank, after a barrier; max over the group's ranks."""
+    """Median milliseconds per call on this rank, after a barrier; max over the group's ranks.
+
+    --timing sync (default): each call timed alone, the GPU idle before it, so the host's work
+    per call (Python, the ranks' agreement through the store) counts in full. --timing
+    pipelined: the mean over `iters` calls issued back to back, as in a training step, where
+    the host runs ahead of the GPU and its work per call hides behind the kernels."""
     for _ in range(warmup):
         fn()
     sync()
     if group is not None:
         dist.barrier(group=group)
+    if PIPELINED and DEV == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        t = torch.tensor(start.elapsed_time(end) / iters, device=DEV)
+        if group is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return float(t)
     times = []
     for _ in range(iters):
         if DEV == "cuda":
@@ -530,7 +551,8 @@ def _init_and_run(local_rank, world, port, argv):
 
 
 def _entry(args):
-    global DEV
+    global DEV, PIPELINED
+    PIPELINED = args.timing == "pipelined"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.cpu:
         DEV = "cpu"
