@@ -44,13 +44,36 @@ except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
     import hilbert_fx
 
 
+def _causal_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Dense attention for the baseline: SDPA with is_causal=True (FlashAttention), no mask.
+    Exact here: the task's sequences have no padding and no packed documents."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, is_causal=True, dropout_p=dropout, scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def attention_implementation(args) -> str:
+    """"sdpa" (transformers' own) for the dilated backend, which reads the model's mask; for the
+    dense baseline --dense-attention causal registers _causal_sdpa. Why: under torch.compile
+    some transformers versions (5.17 on the GPU machine) hand SDPA an N x N boolean mask (causal
+    and same document) instead of is_causal, and SDPA then runs a masked kernel: slower, and
+    the mask alone is 16 GiB at 128K tokens. --dense-attention model keeps that path."""
+    if getattr(args, "backend", "") != "inductor" or getattr(args, "dense_attention", "causal") == "model":
+        return "sdpa"
+    from transformers import AttentionInterface, AttentionMaskInterface
+    AttentionInterface.register("causal_sdpa", _causal_sdpa)
+    AttentionMaskInterface.register("causal_sdpa", lambda *a, **k: None)
+    return "causal_sdpa"
+
+
 def build_model(args, device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=args.width * 11 // 4,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.heads, max_position_embeddings=max(args.probe + [args.seq_len]),
-                         attn_implementation="sdpa", use_cache=False)
+                         attn_implementation=attention_implementation(args), use_cache=False)
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(device)
 
@@ -171,6 +194,8 @@ def main():
     p.add_argument("--warmup", type=int, default=20, help="linear learning-rate warm-up steps")
     p.add_argument("--hilbert", type=int, default=0, help="1: Hilbert-ordered dilation (2-D data)")
     p.add_argument("--backends", nargs="+", default=["hilbert_dilated", "inductor"])
+    p.add_argument("--dense-attention", choices=["causal", "model"], default="causal",
+                   help="dense baseline: SDPA is_causal (causal) or transformers' own mask (model)")
     p.add_argument("--probe", type=int, nargs="*", default=[], help="lengths to probe for the longest context (GPU)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
