@@ -435,6 +435,42 @@ def _triton_forward(q, k, v, plan: RingPlan, group, *, segment_lengths, dilation
     return out, lse
 
 
+def _peer_backward_step(step, buf, group, qc, dout_c, out_c, lse_pad, heads, add_dq, *, dtype,
+                        wide, scale, seed, dropout_p):
+    """One ring step of the backward against the key/value rows `buf` received from a peer: the
+    blocks' dq goes to add_dq(block, dq), their dk, dv (in `wide`) go back to the peer that owns
+    those rows. Posts that send and this step's receive; returns (works, recv buffer, payload)."""
+    b, device = qc.shape[0], qc.device
+    dk_dim, dv_dim = qc.shape[-1], out_c.shape[-1]
+    ops, recv, payload = [], None, None
+    if buf is not None:
+        m = step.recv_rows
+        kbuf, vbuf = _split(buf, b, m, dk_dim, dv_dim)
+        gk_buf = torch.zeros(b, m + 1, dk_dim, dtype=wide, device=device)
+        gv_buf = torch.zeros(b, m + 1, dv_dim, dtype=wide, device=device)
+        bidx = torch.arange(b, device=device).view(b, 1, 1)
+        for pb in step.blocks:
+            bias = _key_bias(pb.k_valid, dtype) if pb.key_padded else None
+            keep = _keep(seed, b, heads, pb.q_pos, pb.k_pos, dropout_p) if dropout_p > 0 else None
+            dog, og, lg = _query_side(dout_c, out_c, lse_pad, heads, pb.q_rows, pb.q_valid)
+            gq, gk, gv = block_attention.backward(
+                dog, _rows(qc, heads, pb.q_rows), _peer_keys(kbuf, pb.k_idx),
+                _peer_keys(vbuf, pb.k_idx), og, lg, bias=bias, is_causal=False, scale=scale,
+                keep=keep, dropout_p=dropout_p)
+            add_dq(pb, gq)
+            h, _, length = pb.k_idx.shape
+            idx = pb.k_idx.view(1, h, length)
+            gk_buf.index_put_((bidx, idx), gk.reshape(b, h, length, -1).to(wide), accumulate=True)
+            gv_buf.index_put_((bidx, idx), gv.reshape(b, h, length, -1).to(wide), accumulate=True)
+        payload = torch.cat([gk_buf[:, :m].reshape(-1), gv_buf[:, :m].reshape(-1)])
+        ops.append(dist.P2POp(dist.isend, payload, _global(group, step.recv_from), group, 3))
+        _STATS["backward_bytes"] += payload.numel() * payload.element_size()
+    if step.send_count:
+        recv = torch.empty(b * step.send_count * (dk_dim + dv_dim), dtype=wide, device=device)
+        ops.append(dist.P2POp(dist.irecv, recv, _global(group, step.send_to), group, 3))
+    return (dist.batch_isend_irecv(ops) if ops else [], recv, payload)
+
+
 def _triton_backward(dout, q, k, v, out, lse, plan: RingPlan, group, *, segment_lengths,
                      dilation_rates, hilbert, is_causal, scale):
     """The local part's dq, dk, dv on the Triton kernels (given the final out and lse) while
@@ -463,38 +499,18 @@ def _triton_backward(dout, q, k, v, out, lse, plan: RingPlan, group, *, segment_
     total = plan.peer_rows.numel()
     pdq = torch.zeros(b, total + 1, d, dtype=torch.float32, device=q.device)
     grads_posted = []
+    bidx = torch.arange(b, device=q.device).view(b, 1, 1)
+
+    def add_dq(pb, gq):  # into the compact buffer of the rows peers reach
+        h = pb.k_idx.shape[0]
+        pdq.index_put_((bidx, pb.q_slot.view(1, h, -1)), gq.reshape(b, h, -1, d).float(),
+                       accumulate=True)
+
     for step, (works, buf, _) in zip(plan.steps, posted):
         _wait(works)
-        ops, recv, payload = [], None, None
-        if buf is not None:
-            m = step.recv_rows
-            kbuf, vbuf = _split(buf, b, m, dk_dim, dv_dim)
-            gk_buf = torch.zeros(b, m + 1, dk_dim, dtype=torch.float32, device=q.device)
-            gv_buf = torch.zeros(b, m + 1, dv_dim, dtype=torch.float32, device=q.device)
-            for pb in step.blocks:
-                bias = _key_bias(pb.k_valid, block_dtype) if pb.key_padded else None
-                dog, og, lg = _query_side(dout_c, out_c, lse_pad, heads, pb.q_rows, pb.q_valid)
-                gq, gk, gv = block_attention.backward(
-                    dog, _rows(qc, heads, pb.q_rows), _peer_keys(kbuf, pb.k_idx),
-                    _peer_keys(vbuf, pb.k_idx), og, lg, bias=bias, is_causal=False, scale=scale,
-                    keep=None, dropout_p=0.0)
-                h, _, length = pb.k_idx.shape
-                bidx = torch.arange(b, device=q.device).view(b, 1, 1)
-                pdq.index_put_((bidx, pb.q_slot.view(1, h, -1)),
-                               gq.reshape(b, h, -1, d).float(), accumulate=True)
-                idx = pb.k_idx.view(1, h, length)
-                gk_buf.index_put_((bidx, idx), gk.reshape(b, h, length, -1).float(),
-                                  accumulate=True)
-                gv_buf.index_put_((bidx, idx), gv.reshape(b, h, length, -1).float(),
-                                  accumulate=True)
-            payload = torch.cat([gk_buf[:, :m].reshape(-1), gv_buf[:, :m].reshape(-1)])
-            ops.append(dist.P2POp(dist.isend, payload, _global(group, step.recv_from), group, 3))
-            _STATS["backward_bytes"] += payload.numel() * payload.element_size()
-        if step.send_count:
-            recv = torch.empty(b * step.send_count * (dk_dim + dv_dim), dtype=torch.float32,
-                               device=q.device)
-            ops.append(dist.P2POp(dist.irecv, recv, _global(group, step.send_to), group, 3))
-        grads_posted.append((dist.batch_isend_irecv(ops) if ops else [], recv, payload))
+        grads_posted.append(_peer_backward_step(
+            step, buf, group, qc, dout_c, out_c, lse_pad, heads, add_dq, dtype=block_dtype,
+            wide=torch.float32, scale=scale, seed=None, dropout_p=0.0))
 
     if total:
         ph, pr = plan.peer_heads, plan.peer_rows
@@ -632,37 +648,10 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, group, *, is_causal,
     grads_posted = []
     for step, (works, buf, _) in zip(plan.steps, posted):
         _wait(works)
-        ops, recv, payload = [], None, None
-        if buf is not None:
-            m = step.recv_rows
-            kbuf, vbuf = _split(buf, b, m, dk_dim, dv_dim)
-            gk_buf = torch.zeros(b, m + 1, dk_dim, dtype=wide, device=q.device)
-            gv_buf = torch.zeros(b, m + 1, dv_dim, dtype=wide, device=q.device)
-            for pb in step.blocks:
-                bias = _key_bias(pb.k_valid, dtype) if pb.key_padded else None
-                keep = _keep(seed, b, heads, pb.q_pos, pb.k_pos, dropout_p) if dropout_p > 0 \
-                    else None
-                dog, og, lg = _query_side(dout_c, out_c, lse_pad, heads, pb.q_rows, pb.q_valid)
-                gq, gk, gv = block_attention.backward(
-                    dog, _rows(qc, heads, pb.q_rows), _peer_keys(kbuf, pb.k_idx),
-                    _peer_keys(vbuf, pb.k_idx), og, lg, bias=bias, is_causal=False, scale=scale,
-                    keep=keep, dropout_p=dropout_p)
-                _add_rows(dq, heads, pb.q_rows, gq)
-                h, _, length = pb.k_idx.shape
-                idx = pb.k_idx.view(1, h, length)
-                bidx = torch.arange(b, device=q.device).view(b, 1, 1)
-                gk_buf.index_put_((bidx, idx), gk.reshape(b, h, length, -1).to(wide),
-                                  accumulate=True)
-                gv_buf.index_put_((bidx, idx), gv.reshape(b, h, length, -1).to(wide),
-                                  accumulate=True)
-            payload = torch.cat([gk_buf[:, :m].reshape(-1), gv_buf[:, :m].reshape(-1)])
-            ops.append(dist.P2POp(dist.isend, payload, _global(group, step.recv_from), group, 3))
-            _STATS["backward_bytes"] += payload.numel() * payload.element_size()
-        if step.send_count:
-            recv = torch.empty(b * step.send_count * (dk_dim + dv_dim), dtype=wide,
-                               device=q.device)
-            ops.append(dist.P2POp(dist.irecv, recv, _global(group, step.send_to), group, 3))
-        grads_posted.append((dist.batch_isend_irecv(ops) if ops else [], recv, payload))
+        grads_posted.append(_peer_backward_step(
+            step, buf, group, qc, dout_c, out_c, lse_pad, heads,
+            lambda pb, gq: _add_rows(dq, heads, pb.q_rows, gq), dtype=dtype, wide=wide,
+            scale=scale, seed=seed, dropout_p=dropout_p))
 
     for blk in plan.local_blocks[split:]:
         local_block(blk)
