@@ -76,6 +76,30 @@ def _load_rows(base, pos, stride_n, stride_d, row_ok, DIM: tl.constexpr, BLOCK_D
 
 
 @triton.jit
+def _query_tile(Pos, Cnt, stride_po, stride_ps, stride_pm, stride_co, stride_cs, H, SEG, R,
+                BLOCK_M: tl.constexpr, STRIDED: tl.constexpr, CAUSAL: tl.constexpr):
+    """The query tile of a program over (query tile, batch * head, segment): which set, its
+    member count, and the positions of the tile's rows. Under CAUSAL the longest rows go first.
+    The caller returns at once when start_m >= count (a tile past the set's end)."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    seg = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    off = h % R
+    count = tl.load(Cnt + off * stride_co + seg * stride_cs).to(tl.int32)
+    start_m = pid_m * BLOCK_M
+    first = seg * SEG + off
+    set_base = off * stride_po + seg * stride_ps
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < count
+    pos_m = _set_positions(Pos, set_base, stride_pm, first, R, offs_m, count, STRIDED)
+    return bh, b, h, count, start_m, first, set_base, offs_m, row_ok, pos_m
+
+
+@triton.jit
 def _masked_scores(s, M_base, pos_q, pos_k, stride_mq, stride_mk, MASK_KIND: tl.constexpr):
     """Applies the user's mask to base-2 scores s[q, k] (pos_q, pos_k shaped to broadcast):
     MASK_KIND 1 is boolean (nonzero = allowed), 2 is additive float."""
@@ -157,23 +181,11 @@ def _fwd_kernel(Q, K, V, Out, Acc, Lse, Pos, Cnt, Mask, Seed,
     FIRST. A LAST branch selects every position (r == 1) and writes the final Out in q's dtype.
     Within one launch every (batch, head, position) belongs to one program: no races.
     """
-    pid_m = tl.program_id(0)
-    if CAUSAL:  # the longest rows first
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
-    seg = tl.program_id(2)
-    b = bh // H
-    h = bh % H
-    off = h % R
-    count = tl.load(Cnt + off * stride_co + seg * stride_cs).to(tl.int32)
-    start_m = pid_m * BLOCK_M
+    bh, b, h, count, start_m, first, set_base, offs_m, row_ok, pos_m = _query_tile(
+        Pos, Cnt, stride_po, stride_ps, stride_pm, stride_co, stride_cs, H, SEG, R,
+        BLOCK_M, STRIDED, CAUSAL)
     if start_m >= count:
         return
-    first = seg * SEG + off
-    set_base = off * stride_po + seg * stride_ps
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < count
-    pos_m = _set_positions(Pos, set_base, stride_pm, first, R, offs_m, count, STRIDED)
 
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
@@ -470,23 +482,11 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, Lse2, Delta, Pos, Cnt, Mask, Seed,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One branch, one program per (query tile, batch * head, segment): adds dQ of its rows into
     DQ (float32; written without reading when FIRST)."""
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
-    seg = tl.program_id(2)
-    b = bh // H
-    h = bh % H
-    off = h % R
-    count = tl.load(Cnt + off * stride_co + seg * stride_cs).to(tl.int32)
-    start_m = pid_m * BLOCK_M
+    bh, b, h, count, start_m, first, set_base, offs_m, row_ok, pos_m = _query_tile(
+        Pos, Cnt, stride_po, stride_ps, stride_pm, stride_co, stride_cs, H, SEG, R,
+        BLOCK_M, STRIDED, CAUSAL)
     if start_m >= count:
         return
-    first = seg * SEG + off
-    set_base = off * stride_po + seg * stride_ps
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < count
-    pos_m = _set_positions(Pos, set_base, stride_pm, first, R, offs_m, count, STRIDED)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     g64 = (h // GROUP).to(tl.int64)
