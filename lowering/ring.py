@@ -341,12 +341,16 @@ def _merge(acc: Tensor, run_lse: Tensor, heads: Tensor, rows: Tensor, o: Tensor,
     index = (slice(None), heads.view(h, 1, 1), rows)
     o = o.view(b, h, s, length, -1)
     lse = lse.view(b, h, s, length)
-    cur_o, cur_l = acc[index], run_lse[index]
+    acc[index], run_lse[index] = _lse_merge(acc[index], run_lse[index], o, lse)
+
+
+def _lse_merge(cur_o: Tensor, cur_l: Tensor, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Two normalised partial results (o [.., Dv], lse [..]) of the same rows as one: weights
+    by log-sum-exp; rows with no key in either stay at lse -inf."""
     new_l = torch.logaddexp(cur_l, lse)
     base = new_l.masked_fill(new_l == NEG_INF, 0.0)
-    acc[index] = (cur_o * torch.exp(cur_l - base).unsqueeze(-1)
-                  + o * torch.exp(lse - base).unsqueeze(-1))
-    run_lse[index] = new_l
+    return (cur_o * torch.exp(cur_l - base).unsqueeze(-1)
+            + o * torch.exp(lse - base).unsqueeze(-1)), new_l
 
 
 def _add_rows(buf: Tensor, heads: Tensor, rows: Tensor, values: Tensor) -> None:
@@ -366,12 +370,7 @@ def _merge_at(acc: Tensor, run_lse: Tensor, slots: Tensor, o: Tensor, lse: Tenso
     o = o.reshape(b, h, s, length, -1)
     lse = lse.reshape(b, h, s, length)
     index = (slice(None), slots)
-    cur_o, cur_l = acc[index], run_lse[index]
-    new_l = torch.logaddexp(cur_l, lse)
-    base = new_l.masked_fill(new_l == NEG_INF, 0.0)
-    acc[index] = (cur_o * torch.exp(cur_l - base).unsqueeze(-1)
-                  + o * torch.exp(lse - base).unsqueeze(-1))
-    run_lse[index] = new_l
+    acc[index], run_lse[index] = _lse_merge(acc[index], run_lse[index], o, lse)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,13 +424,9 @@ def _triton_forward(q, k, v, plan: RingPlan, group, *, segment_lengths, dilation
             _merge_at(acc, run_lse, pb.q_slot, o.float(), blse.float())
     if total:  # the peers' share into the rows it covers: once, in float32
         ph, pr = plan.peer_heads, plan.peer_rows
-        cur_o, cur_l = out[:, ph, pr].float(), lse[:, ph, pr]
-        po, pl = acc[:, :total], run_lse[:, :total]
-        new_l = torch.logaddexp(cur_l, pl)
-        base = new_l.masked_fill(new_l == NEG_INF, 0.0)
-        out[:, ph, pr] = (cur_o * torch.exp(cur_l - base).unsqueeze(-1)
-                          + po * torch.exp(pl - base).unsqueeze(-1)).to(out.dtype)
-        lse[:, ph, pr] = new_l
+        merged, lse[:, ph, pr] = _lse_merge(out[:, ph, pr].float(), lse[:, ph, pr],
+                                            acc[:, :total], run_lse[:, :total])
+        out[:, ph, pr] = merged.to(out.dtype)
     return out, lse
 
 
