@@ -9,8 +9,10 @@ segment that spans shards, a rank receives from each other rank of that segment 
 the selected sets its own queries attend to, once per (key/value head, offset) pair, and under
 is_causal only from lower ranks. Messages go point to point with torch.distributed
 (batch_isend_irecv; NCCL on GPUs, gloo on CPU), one message per peer and direction, all posted
-before any compute so that they travel while the local segments are computed; the blocks of one
-peer are computed as soon as its message has arrived. Every block's partial result is merged
+before any compute so that they travel while the local segments are computed. The rows that
+arrive from every peer are then taken together: each cross segment is one block of this rank's
+queries against its keys from all peers (ring_plan.PeerBlock), so the number of small kernels
+does not grow with the number of peers. Every block's partial result is merged
 into the rows it covers by log-sum-exp in float32 (float64 for float64 inputs).
 
 Backward (FlashAttention-2 style, with the final out and lse): the received rows are fetched
@@ -289,6 +291,21 @@ def _wait(works) -> None:
         w.wait()
 
 
+def _received_kv(plan: RingPlan, posted, batch: int, dk: int, dv: int):
+    """Waits for every step's key/value rows; returns all of them, the steps' in order
+    ([B, M, Dk], [B, M, Dv]: what PeerBlock.k_idx indexes), or (None, None) if none came."""
+    ks, vs = [], []
+    for step, (works, buf, _) in zip(plan.steps, posted):
+        _wait(works)
+        if buf is not None:
+            kb, vb = _split(buf, batch, step.recv_rows, dk, dv)
+            ks.append(kb)
+            vs.append(vb)
+    if len(ks) <= 1:
+        return (ks[0], vs[0]) if ks else (None, None)
+    return torch.cat(ks, 1), torch.cat(vs, 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Blocks.
 
@@ -407,20 +424,21 @@ def _triton_forward(q, k, v, plan: RingPlan, group, *, segment_lengths, dilation
     out, lse = triton_lowering.forward(
         q, k, v, _shard_plans(q, plan, segment_lengths, dilation_rates, hilbert),
         is_causal=is_causal, attn_mask=None, scale=scale, dropout_p=0.0, seed=None)
+    kbuf, vbuf = _received_kv(plan, posted, b, dk, dv)
     total = plan.peer_rows.numel()
     if total:
         acc = torch.zeros(b, total + 1, dv, dtype=torch.float32, device=q.device)
         run_lse = torch.full((b, total + 1), NEG_INF, dtype=torch.float32, device=q.device)
-    for step, (works, buf, _) in zip(plan.steps, posted):
-        _wait(works)
-        if buf is None:
-            continue
-        kbuf, vbuf = _split(buf, b, step.recv_rows, dk, dv)
-        for pb in step.blocks:
-            bias = _key_bias(pb.k_valid, block_dtype) if pb.key_padded else None
-            o, blse = _block_forward(_rows(qc, heads, pb.q_rows), _peer_keys(kbuf, pb.k_idx),
-                                     _peer_keys(vbuf, pb.k_idx), bias=bias, causal=False,
-                                     scale=scale, keep=None, dropout_p=0.0, has_key=pb.has_key)
+    for pb in plan.peer_blocks:
+        bias = _key_bias(pb.k_valid, block_dtype) if pb.key_padded else None
+        o, blse = _block_forward(_rows(qc, heads, pb.q_rows), _peer_keys(kbuf, pb.k_idx),
+                                 _peer_keys(vbuf, pb.k_idx), bias=bias, causal=False,
+                                 scale=scale, keep=None, dropout_p=0.0, has_key=pb.has_key)
+        if len(plan.peer_blocks) == 1:  # its rows' only peer share: placed, nothing to merge
+            h, _, length = pb.q_slot.shape
+            acc[:, pb.q_slot] = o.float().view(b, h, 1, length, dv)
+            run_lse[:, pb.q_slot] = blse.float().view(b, h, 1, length)
+        else:
             _merge_at(acc, run_lse, pb.q_slot, o.float(), blse.float())
     if total:  # the peers' share into the rows it covers: once, in float32
         ph, pr = plan.peer_heads, plan.peer_rows
@@ -430,21 +448,21 @@ def _triton_forward(q, k, v, plan: RingPlan, group, *, segment_lengths, dilation
     return out, lse
 
 
-def _peer_backward_step(step, buf, group, qc, dout_c, out_c, lse_pad, heads, add_dq, *, dtype,
-                        wide, scale, seed, dropout_p):
-    """One ring step of the backward against the key/value rows `buf` received from a peer: the
-    blocks' dq goes to add_dq(block, dq), their dk, dv (in `wide`) go back to the peer that owns
-    those rows. Posts that send and this step's receive; returns (works, recv buffer, payload)."""
+def _peer_backward(plan: RingPlan, kbuf, vbuf, group, qc, dout_c, out_c, lse_pad, heads,
+                   add_dq, *, dtype, wide, scale, seed, dropout_p):
+    """The backward of every PeerBlock against all the received key/value rows (kbuf, vbuf):
+    the blocks' dq goes to add_dq(block, dq), their dk, dv (in `wide`) go back to the peers that
+    own those rows, one message each, posted in one batch with the receives of the gradients of
+    the rows this rank sent. Returns (works, [receive buffer or None per step], payloads)."""
     b, device = qc.shape[0], qc.device
     dk_dim, dv_dim = qc.shape[-1], out_c.shape[-1]
-    ops, recv, payload = [], None, None
-    if buf is not None:
-        m = step.recv_rows
-        kbuf, vbuf = _split(buf, b, m, dk_dim, dv_dim)
+    ops, recvs, payloads = [], [], []
+    if kbuf is not None:
+        m = plan.recv_total
         gk_buf = torch.zeros(b, m + 1, dk_dim, dtype=wide, device=device)
         gv_buf = torch.zeros(b, m + 1, dv_dim, dtype=wide, device=device)
         bidx = torch.arange(b, device=device).view(b, 1, 1)
-        for pb in step.blocks:
+        for pb in plan.peer_blocks:
             bias = _key_bias(pb.k_valid, dtype) if pb.key_padded else None
             keep = _keep(seed, b, heads, pb.q_pos, pb.k_pos, dropout_p) if dropout_p > 0 else None
             dog, og, lg = _query_side(dout_c, out_c, lse_pad, heads, pb.q_rows, pb.q_valid)
@@ -457,13 +475,21 @@ def _peer_backward_step(step, buf, group, qc, dout_c, out_c, lse_pad, heads, add
             idx = pb.k_idx.view(1, h, length)
             gk_buf.index_put_((bidx, idx), gk.reshape(b, h, length, -1).to(wide), accumulate=True)
             gv_buf.index_put_((bidx, idx), gv.reshape(b, h, length, -1).to(wide), accumulate=True)
-        payload = torch.cat([gk_buf[:, :m].reshape(-1), gv_buf[:, :m].reshape(-1)])
-        ops.append(dist.P2POp(dist.isend, payload, _global(group, step.recv_from), group, 3))
-        _STATS["backward_bytes"] += payload.numel() * payload.element_size()
-    if step.send_count:
-        recv = torch.empty(b * step.send_count * (dk_dim + dv_dim), dtype=wide, device=device)
-        ops.append(dist.P2POp(dist.irecv, recv, _global(group, step.send_to), group, 3))
-    return (dist.batch_isend_irecv(ops) if ops else [], recv, payload)
+        for step in plan.steps:
+            if not step.recv_rows:
+                continue
+            rows = slice(step.recv_offset, step.recv_offset + step.recv_rows)
+            payload = torch.cat([gk_buf[:, rows].reshape(-1), gv_buf[:, rows].reshape(-1)])
+            ops.append(dist.P2POp(dist.isend, payload, _global(group, step.recv_from), group, 3))
+            payloads.append(payload)
+            _STATS["backward_bytes"] += payload.numel() * payload.element_size()
+    for step in plan.steps:
+        recv = None
+        if step.send_count:
+            recv = torch.empty(b * step.send_count * (dk_dim + dv_dim), dtype=wide, device=device)
+            ops.append(dist.P2POp(dist.irecv, recv, _global(group, step.send_to), group, 3))
+        recvs.append(recv)
+    return (dist.batch_isend_irecv(ops) if ops else []), recvs, payloads
 
 
 def _triton_backward(dout, q, k, v, out, lse, plan: RingPlan, group, *, segment_lengths,
@@ -493,7 +519,6 @@ def _triton_backward(dout, q, k, v, out, lse, plan: RingPlan, group, *, segment_
                                                                             torch.float32))
     total = plan.peer_rows.numel()
     pdq = torch.zeros(b, total + 1, d, dtype=torch.float32, device=q.device)
-    grads_posted = []
     bidx = torch.arange(b, device=q.device).view(b, 1, 1)
 
     def add_dq(pb, gq):  # into the compact buffer of the rows peers reach
@@ -501,11 +526,10 @@ def _triton_backward(dout, q, k, v, out, lse, plan: RingPlan, group, *, segment_
         pdq.index_put_((bidx, pb.q_slot.view(1, h, -1)), gq.reshape(b, h, -1, d).float(),
                        accumulate=True)
 
-    for step, (works, buf, _) in zip(plan.steps, posted):
-        _wait(works)
-        grads_posted.append(_peer_backward_step(
-            step, buf, group, qc, dout_c, out_c, lse_pad, heads, add_dq, dtype=block_dtype,
-            wide=torch.float32, scale=scale, seed=None, dropout_p=0.0))
+    kbuf, vbuf = _received_kv(plan, posted, b, dk_dim, dv_dim)
+    works, recvs, _payloads = _peer_backward(
+        plan, kbuf, vbuf, group, qc, dout_c, out_c, lse_pad, heads, add_dq, dtype=block_dtype,
+        wide=torch.float32, scale=scale, seed=None, dropout_p=0.0)
 
     if total:
         ph, pr = plan.peer_heads, plan.peer_rows
@@ -514,8 +538,8 @@ def _triton_backward(dout, q, k, v, out, lse, plan: RingPlan, group, *, segment_
     if units:
         gk_acc = torch.zeros(b, units, dk_dim, dtype=torch.float32, device=q.device)
         gv_acc = torch.zeros(b, units, dv_dim, dtype=torch.float32, device=q.device)
-    for step, (works, recv, _) in zip(plan.steps, grads_posted):
-        _wait(works)
+    _wait(works)
+    for step, recv in zip(plan.steps, recvs):
         if recv is None:
             continue
         gk, gv = _split(recv, b, step.send_count, dk_dim, dv_dim)
@@ -555,14 +579,10 @@ def _ring_forward(q, k, v, plan: RingPlan, group, *, is_causal, scale, dropout_p
                                 _rows(vc, kv_heads, blk.rows), bias=bias, causal=is_causal,
                                 scale=scale, keep=keep, dropout_p=dropout_p, has_key=None)
         _merge(acc, run_lse, heads, blk.rows, o, lse)
-    for step, (works, buf, _) in zip(plan.steps, posted):
-        _wait(works)
-        if buf is None:
-            continue
-        kbuf, vbuf = _split(buf, b, step.recv_rows, dk, dv)
-        for pb in step.blocks:
-            _peer_block_forward(qc, kbuf, vbuf, pb, heads, acc, run_lse, scale=scale,
-                                dropout_p=dropout_p, seed=seed)
+    kbuf, vbuf = _received_kv(plan, posted, b, dk, dv)
+    for pb in plan.peer_blocks:
+        _peer_block_forward(qc, kbuf, vbuf, pb, heads, acc, run_lse, scale=scale,
+                            dropout_p=dropout_p, seed=seed)
     return acc[:, :, :n].to(q.dtype), run_lse[:, :, :n].contiguous()
 
 
@@ -633,26 +653,24 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, group, *, is_causal,
         _add_rows(dv, kv_heads, blk.rows, gv)
 
     # About half the local work runs while the key/value rows travel, the other half while the
-    # gradients of the last peer's rows travel back (the others' overlap the next peer's blocks).
+    # gradients of the peers' rows travel back.
     split = _work_split(plan.local_blocks) if any(s.recv_rows or s.send_count
                                                   for s in plan.steps) \
         else len(plan.local_blocks)
     for blk in plan.local_blocks[:split]:
         local_block(blk)
 
-    grads_posted = []
-    for step, (works, buf, _) in zip(plan.steps, posted):
-        _wait(works)
-        grads_posted.append(_peer_backward_step(
-            step, buf, group, qc, dout_c, out_c, lse_pad, heads,
-            lambda pb, gq: _add_rows(dq, heads, pb.q_rows, gq), dtype=dtype, wide=wide,
-            scale=scale, seed=seed, dropout_p=dropout_p))
+    kbuf, vbuf = _received_kv(plan, posted, b, dk_dim, dv_dim)
+    works, recvs, _payloads = _peer_backward(
+        plan, kbuf, vbuf, group, qc, dout_c, out_c, lse_pad, heads,
+        lambda pb, gq: _add_rows(dq, heads, pb.q_rows, gq), dtype=dtype, wide=wide,
+        scale=scale, seed=seed, dropout_p=dropout_p)
 
     for blk in plan.local_blocks[split:]:
         local_block(blk)
 
-    for step, (works, recv, _) in zip(plan.steps, grads_posted):
-        _wait(works)
+    _wait(works)
+    for step, recv in zip(plan.steps, recvs):
         if recv is None:
             continue
         gk, gv = _split(recv, b, step.send_count, dk_dim, dv_dim)

@@ -19,8 +19,10 @@ same plan and both sides of every message agree on its size and layout without e
 Blocks the compute runs on rank i:
 - LocalBlock: queries and keys are the same selected sets (interior segments, and rank i's part
   of each cross segment), as local rows; padded to the longest set with row n (a spare row).
-- PeerBlock: rank i's selected queries of a cross segment against the rows received from one
-  peer; keys index the received message.
+- PeerBlock: rank i's selected queries of a cross segment against the rows of it received from
+  every peer, one peer's after another; keys index the concatenation of all received rows (the
+  steps' messages in order), so that each cross segment is one block whatever the number of
+  peers.
 
 With the Triton lowering (lowering/ring.py), the local part is not cut into LocalBlocks: it is the
 single-device op's kernels run on the shard with *shard plans* (`shard_branch_plans`), one
@@ -70,7 +72,7 @@ class PeerBlock:
     q_rows: torch.Tensor  # [H, 1, Lq] local query rows, padded with n
     q_pos: torch.Tensor  # [H, 1, Lq] global positions
     q_valid: torch.Tensor  # [H, 1, Lq]
-    k_idx: torch.Tensor  # [H, 1, Lk] rows of the received message, padded with M (spare)
+    k_idx: torch.Tensor  # [H, 1, Lk] rows of all received rows (steps in order), padded with M
     k_pos: torch.Tensor  # [H, 1, Lk] global positions
     k_valid: torch.Tensor  # [H, 1, Lk]
     key_padded: bool
@@ -87,7 +89,7 @@ class Step:
     send_rows: torch.Tensor  # [M_send] local row of each row sent
     recv_from: int
     recv_rows: int  # M_recv
-    blocks: list[PeerBlock] = field(default_factory=list)
+    recv_offset: int  # where its rows start among all the rows received (steps in order)
     grad_slot: torch.Tensor | None = None  # [M_send] index of each sent row in RingPlan.grad_rows
 
     @property
@@ -105,6 +107,8 @@ class RingPlan:
     num_kv_heads: int
     local_blocks: list[LocalBlock]
     steps: list[Step]
+    peer_blocks: list[PeerBlock]  # one per cross segment, keys from every peer
+    recv_total: int  # rows received from all peers together: M
     # (query head, local row) of every query row of some PeerBlock, T of them, no repeats
     peer_heads: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     peer_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
@@ -250,6 +254,8 @@ def _build(seq_len: int, world: int, rank: int, segment_lengths, dilation_rates,
                                            valid.unsqueeze(1), not bool(valid.all())))
 
     steps = []
+    parts: dict = {}  # (branch, cross) -> [(step's first received row, key head ids, counts)]
+    recv_offset = 0
     for s in range(1, world):
         dst, src = (rank + s) % world, (rank - s) % world
         send_items = _message_items(crosses, branch_units, rank, dst, is_causal)
@@ -266,57 +272,72 @@ def _build(seq_len: int, world: int, rank: int, segment_lengths, dilation_rates,
         for b, ci, ui, start, cnt in recv_items:
             where[(b, ci, ui)] = total
             total += cnt
-        blocks = []
         for b, cross_list in enumerate(crosses):
             units, head_unit, r = branch_units[b]
-            offsets = [h % r for h in range(num_heads)]
             for ci, cr in enumerate(cross_list):
                 key = [(b, ci, head_unit[h]) for h in range(num_heads)]
-                if not any(x in where for x in key):
-                    continue
-                q_counts = [cr.count(o, rank) for o in offsets]
-                lq = max(q_counts)
-                lq = lq if min(q_counts) == lq else _round_up(lq, KEY_ALIGN)
-                q_pos, q_valid, _ = _slice_block(cr, offsets, rank, lq, seq_len)
-                q_rows = torch.where(q_valid, q_pos - lo, torch.full_like(q_pos, n))
-                k_counts = [cr.count(o, src) if x in where else 0 for o, x in zip(offsets, key)]
-                lk = max(k_counts)
-                lk = lk if min(k_counts) == lk else _round_up(lk, KEY_ALIGN)
-                k_pos, k_valid, _ = _slice_block(cr, offsets, src, lk, seq_len)
-                kc = torch.tensor(k_counts)
-                k_valid = k_valid & (torch.arange(lk).view(1, -1) < kc.view(-1, 1))
-                base = torch.tensor([where.get(x, 0) for x in key])
-                k_idx = torch.where(k_valid, base.view(-1, 1) + torch.arange(lk).view(1, -1),
-                                    torch.full_like(k_valid, total, dtype=torch.long))
-                has_key = kc > 0
-                blocks.append(PeerBlock(
-                    q_rows.unsqueeze(1), q_pos.unsqueeze(1), q_valid.unsqueeze(1),
-                    k_idx.unsqueeze(1), k_pos.unsqueeze(1), k_valid.unsqueeze(1),
-                    not bool(k_valid.all()), None if bool(has_key.all()) else has_key))
+                if any(x in where for x in key):
+                    parts.setdefault((b, ci), []).append((src, recv_offset, key, where))
         cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long))
-        steps.append(Step(s, dst, cat(send_heads), cat(send_rows), src, total, blocks))
-    plan = RingPlan(world, rank, n, seq_len, num_heads, num_kv_heads, local_blocks, steps)
+        steps.append(Step(s, dst, cat(send_heads), cat(send_rows), src, total, recv_offset))
+        recv_offset += total
+    peer_blocks = [_peer_block(crosses[b][ci], branch_units[b][2], parts[(b, ci)], num_heads,
+                               rank, lo, n, seq_len, recv_offset)
+                   for b, ci in sorted(parts)]
+    plan = RingPlan(world, rank, n, seq_len, num_heads, num_kv_heads, local_blocks, steps,
+                    peer_blocks, recv_offset)
     _number_peer_rows(plan)
     return plan
+
+
+def _peer_block(cr: _Cross, r: int, sources, num_heads: int, rank: int, lo: int, n: int,
+                seq_len: int, recv_total: int) -> PeerBlock:
+    """Rank's queries of cross segment cr against the rows of it received from every peer, the
+    keys of one peer after another (each peer's part padded alone), indexing the concatenation
+    of all received rows (padding: recv_total, a spare row)."""
+    offsets = [h % r for h in range(num_heads)]
+    q_counts = [cr.count(o, rank) for o in offsets]
+    lq = max(q_counts)
+    lq = lq if min(q_counts) == lq else _round_up(lq, KEY_ALIGN)
+    q_pos, q_valid, _ = _slice_block(cr, offsets, rank, lq, seq_len)
+    q_rows = torch.where(q_valid, q_pos - lo, torch.full_like(q_pos, n))
+    k_pos, k_valid, k_idx, k_count = [], [], [], torch.zeros(num_heads, dtype=torch.long)
+    for src, recv_offset, key, where in sources:
+        counts = torch.tensor([cr.count(o, src) if x in where else 0
+                               for o, x in zip(offsets, key)])
+        lk = int(counts.max())
+        lk = lk if int(counts.min()) == lk else _round_up(lk, KEY_ALIGN)
+        pos, valid, _ = _slice_block(cr, offsets, src, lk, seq_len)
+        valid = valid & (torch.arange(lk).view(1, -1) < counts.view(-1, 1))
+        base = recv_offset + torch.tensor([where.get(x, 0) for x in key])
+        k_idx.append(torch.where(valid, base.view(-1, 1) + torch.arange(lk).view(1, -1),
+                                 torch.full_like(valid, recv_total, dtype=torch.long)))
+        k_pos.append(pos)
+        k_valid.append(valid)
+        k_count += counts
+    k_valid = torch.cat(k_valid, 1)
+    has_key = k_count > 0
+    return PeerBlock(q_rows.unsqueeze(1), q_pos.unsqueeze(1), q_valid.unsqueeze(1),
+                     torch.cat(k_idx, 1).unsqueeze(1), torch.cat(k_pos, 1).unsqueeze(1),
+                     k_valid.unsqueeze(1), not bool(k_valid.all()),
+                     None if bool(has_key.all()) else has_key)
 
 
 def _number_peer_rows(plan: RingPlan) -> None:
     """Compact numbering of the query rows of the PeerBlocks and of the rows sent to peers."""
     n = plan.n
     keys = []  # head * (n + 1) + row of every valid query row of every PeerBlock
-    for step in plan.steps:
-        for pb in step.blocks:
-            h = torch.arange(pb.q_rows.shape[0]).view(-1, 1, 1).expand_as(pb.q_rows)
-            keys.append((h * (n + 1) + pb.q_rows)[pb.q_valid])
+    for pb in plan.peer_blocks:
+        h = torch.arange(pb.q_rows.shape[0]).view(-1, 1, 1).expand_as(pb.q_rows)
+        keys.append((h * (n + 1) + pb.q_rows)[pb.q_valid])
     unique = torch.unique(torch.cat(keys)) if keys else torch.zeros(0, dtype=torch.long)
     plan.peer_heads, plan.peer_rows = unique // (n + 1), unique % (n + 1)
     total = unique.numel()
-    for step in plan.steps:
-        for pb in step.blocks:
-            h = torch.arange(pb.q_rows.shape[0]).view(-1, 1, 1).expand_as(pb.q_rows)
-            slot = torch.searchsorted(unique, (h * (n + 1) + pb.q_rows).reshape(-1).contiguous())
-            pb.q_slot = torch.where(pb.q_valid, slot.view_as(pb.q_rows),
-                                    torch.full_like(pb.q_rows, total))
+    for pb in plan.peer_blocks:
+        h = torch.arange(pb.q_rows.shape[0]).view(-1, 1, 1).expand_as(pb.q_rows)
+        slot = torch.searchsorted(unique, (h * (n + 1) + pb.q_rows).reshape(-1).contiguous())
+        pb.q_slot = torch.where(pb.q_valid, slot.view_as(pb.q_rows),
+                                torch.full_like(pb.q_rows, total))
     sent = [s.send_heads * (n + 1) + s.send_rows for s in plan.steps]
     unique = torch.unique(torch.cat(sent)) if sent else torch.zeros(0, dtype=torch.long)
     plan.grad_heads, plan.grad_rows = unique // (n + 1), unique % (n + 1)
@@ -328,16 +349,14 @@ def _to(plan: RingPlan, device: torch.device) -> RingPlan:
     def mv(x):
         return x.to(device) if isinstance(x, torch.Tensor) else x
     blocks = [LocalBlock(mv(b.rows), mv(b.pos), mv(b.valid), b.padded) for b in plan.local_blocks]
-    steps = []
-    for s in plan.steps:
-        pbs = [PeerBlock(mv(p.q_rows), mv(p.q_pos), mv(p.q_valid), mv(p.k_idx), mv(p.k_pos),
-                         mv(p.k_valid), p.key_padded, mv(p.has_key), mv(p.q_slot))
-               for p in s.blocks]
-        steps.append(Step(s.offset, s.send_to, mv(s.send_heads), mv(s.send_rows), s.recv_from,
-                          s.recv_rows, pbs, mv(s.grad_slot)))
+    steps = [Step(s.offset, s.send_to, mv(s.send_heads), mv(s.send_rows), s.recv_from,
+                  s.recv_rows, s.recv_offset, mv(s.grad_slot)) for s in plan.steps]
+    pbs = [PeerBlock(mv(p.q_rows), mv(p.q_pos), mv(p.q_valid), mv(p.k_idx), mv(p.k_pos),
+                     mv(p.k_valid), p.key_padded, mv(p.has_key), mv(p.q_slot))
+           for p in plan.peer_blocks]
     return RingPlan(plan.world, plan.rank, plan.n, plan.seq_len, plan.num_heads, plan.num_kv_heads,
-                    blocks, steps, mv(plan.peer_heads), mv(plan.peer_rows), mv(plan.grad_heads),
-                    mv(plan.grad_rows))
+                    blocks, steps, pbs, plan.recv_total, mv(plan.peer_heads), mv(plan.peer_rows),
+                    mv(plan.grad_heads), mv(plan.grad_rows))
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,0 +1,124 @@
+"""Where the ring op's time goes on P GPUs: kernels per call, GPU busy time and host time.
+
+    python scripts/ring_profile.py --nproc 4 --out $OUT
+
+Weak-scaling configuration of examples/ring_benchmark.py (--tokens-per-gpu per GPU, its default
+branches, bf16, H=16, D=128, Hilbert on), non-causal and causal, forward and forward+backward,
+calls issued back to back. Rank 0 writes OUT/ring_profile.txt: per mode the GPU time per call
+(events), the host time per call, the kernels per call grouped by name (count and microseconds)
+and how much of the GPU time no kernel ran on the compute stream.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", required=True)
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--tokens-per-gpu", type=int, default=65536)
+    p.add_argument("--iters", type=int, default=5)
+    return p.parse_args(argv)
+
+
+def group_of(name: str) -> str:
+    for key in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_preprocess", "nccl",
+                "flash", "fmha", "cudnn", "index", "cat", "elementwise", "reduce"):
+        if key.lower() in name.lower():
+            return key
+    return name[:60]
+
+
+def run(rank, world, port, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank),
+                            timeout=datetime.timedelta(seconds=120))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "examples"))
+    from ring_benchmark import default_branches
+    from lowering.ring import ring_dilated_attention
+    n = args.tokens_per_gpu
+    segs, rates = default_branches(n, world)
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    q, k, v, do = (torch.randn(1, 16, n, 128, generator=g, device="cuda").to(torch.bfloat16)
+                   for _ in range(4))
+    lines = [f"P={world}, {n} tokens per GPU, branches {list(zip(segs, rates))}"]
+
+    def call(causal, backward):
+        if not backward:
+            with torch.no_grad():
+                ring_dilated_attention(q, k, v, segs, rates, hilbert=True, is_causal=causal,
+                                       lowering="triton", mesh=dist.group.WORLD)
+            return
+        qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
+        ring_dilated_attention(qq, kk, vv, segs, rates, hilbert=True, is_causal=causal,
+                               lowering="triton", mesh=dist.group.WORLD).backward(do)
+
+    for causal in (False, True):
+        for backward in (False, True):
+            mode = f"causal={causal} {'fwd+bwd' if backward else 'fwd'}"
+            for _ in range(3):
+                call(causal, backward)
+            torch.cuda.synchronize()
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            for _ in range(args.iters):
+                call(causal, backward)
+            host_ms = (time.perf_counter() - t0) * 1000 / args.iters
+            end.record()
+            torch.cuda.synchronize()
+            gpu_ms = start.elapsed_time(end) / args.iters
+            dist.barrier()
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.iters):
+                    call(causal, backward)
+                torch.cuda.synchronize()
+            dist.barrier()
+            if rank != 0:
+                continue
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            count, micros = collections.Counter(), collections.Counter()
+            for e in kernels:
+                key = group_of(e.name)
+                count[key] += 1
+                micros[key] += e.device_time
+            busy = sum(micros[key] for key in micros if key != "nccl") / args.iters / 1000
+            lines.append(f"\n{mode}: GPU {gpu_ms:.3f} ms per call, host {host_ms:.3f} ms per call, "
+                         f"compute kernels {busy:.3f} ms per call (GPU idle or waiting "
+                         f"{gpu_ms - busy:.3f} ms), {sum(count.values()) / args.iters:.0f} "
+                         f"kernels per call")
+            for key, us in micros.most_common():
+                lines.append(f"  {key:62s} {count[key] / args.iters:6.1f} per call "
+                             f"{us / args.iters:9.1f} us")
+    if rank == 0:
+        text = "\n".join(lines)
+        print(text, flush=True)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "ring_profile.txt"), "w") as f:
+            f.write(text + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    a = parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free_port = s.getsockname()[1]
+    torch.multiprocessing.spawn(run, args=(a.nproc, free_port, a), nprocs=a.nproc)
