@@ -167,6 +167,12 @@ _DQ = {"16": ((128, 32, 4, 3), (128, 64, 8, 2), (64, 32, 8, 1)),
 _INTERPRETED = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
 
 
+def _forward_experiment() -> dict:
+    """HILBERT_FX_TRITON_EXPERIMENT="ws,prefetch": forward kernel variants under test."""
+    flags = os.environ.get("HILBERT_FX_TRITON_EXPERIMENT", "").split(",")
+    return {"WS": "ws" in flags, "PREFETCH": "prefetch" in flags}
+
+
 def tile_config(kind: str, device, dtype, head_dim: int, interpreted: bool,
                 masked: bool = False) -> TileConfig:
     """Tiles of kernel `kind` ("fwd", "dkdv" or "dq"), unless HILBERT_FX_TRITON_<KIND> says.
@@ -377,7 +383,7 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
                 HEAD_DIM=c["d"], HEAD_DIM_V=dv, BLOCK_D=c["block_d"], BLOCK_DV=c["block_dv"],
                 STRIDED=plan.is_strided, CAUSAL=bool(is_causal), MASK_KIND=c["mask_kind"],
                 DROPOUT=c["dropout"], FIRST=i == 0, LAST=last, UPCAST=c["upcast"],
-                PRECISION=c["precision"], NONNEG_SCALE=scale >= 0)
+                PRECISION=c["precision"], NONNEG_SCALE=scale >= 0, **_forward_experiment())
     if not covers:  # rows no branch selects: out 0 (acc holds nothing there), lse -inf
         out = torch.where((lse > NEG_INF).unsqueeze(-1), acc, 0.0).to(q.dtype)
     return out, lse

@@ -1,0 +1,113 @@
+"""Forward/backward variants of the Triton lowering at N = 64K against the floor, in one process.
+
+    PYTHONPATH=. python scripts/explore_kernels.py --out $OUT
+
+The issue-4 configuration (bf16, B=1, H=16, branches (2048,1) ... (16384,8)), D=128 and D=64.
+Each variant is an environment setting read by lowering/triton_lowering.py at call time
+(tile configs HILBERT_FX_TRITON_{FWD,DKDV,DQ}, kernel variants HILBERT_FX_TRITON_EXPERIMENT);
+times are medians of triton.testing.do_bench, the floor measured in the same process.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hilbert_fx.bench import _floor_fn, _time  # noqa: E402
+from lowering import dilated_attention  # noqa: E402
+
+SEGS, RATES = [2048, 4096, 8192, 16384], [1, 2, 4, 8]
+KNOBS = ("HILBERT_FX_TRITON_FWD", "HILBERT_FX_TRITON_DKDV", "HILBERT_FX_TRITON_DQ",
+         "HILBERT_FX_TRITON_EXPERIMENT")
+
+
+def timing(d: int, hilbert: bool, backward: bool, env: dict, n: int) -> float:
+    for key in KNOBS:
+        os.environ.pop(key, None)
+    os.environ.update(env)
+    q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=backward) for _ in range(3))
+    try:
+        return _time(lambda: dilated_attention(q, k, v, SEGS, RATES, hilbert=hilbert,
+                                               lowering="triton"), backward, [q, k, v])
+    except Exception as e:  # a config that does not compile or fit: reported, not fatal
+        print(f"    failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return float("nan")
+    finally:
+        for key in env:
+            os.environ.pop(key, None)
+
+
+def floor(d: int, hilbert: bool, backward: bool, n: int) -> float:
+    q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=backward) for _ in range(3))
+    fn, blocks = _floor_fn(q, k, v, SEGS, RATES, hilbert, False)
+    return _time(fn, backward, [t for blk in blocks for t in blk])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--n", type=int, default=65536)
+    p.add_argument("--groups", nargs="+", default=["fwd", "hilbert", "d64", "bwd"])
+    args = p.parse_args()
+    n = args.n
+    lines = [f"{torch.cuda.get_device_name()}, N={n}, bf16, H=16, branches "
+             f"{list(zip(SEGS, RATES))}; ms (floor/variant)"]
+
+    def row(label, d, hilbert, backward, env, base):
+        from lowering import triton_lowering
+        triton_lowering._working_configs.clear()
+        ms = timing(d, hilbert, backward, env, n)
+        shrunk = [f"{key[0]} {key[1]} ran as {cfg}"
+                  for key, cfg in triton_lowering._working_configs.items() if key[1] != cfg]
+        line = f"{label:58s} {ms:8.3f} ms  floor/this {base / ms:5.3f}  {'; '.join(shrunk)}"
+        print(line, flush=True)
+        lines.append(line)
+
+    fl = {}
+    for d in (128, 64):
+        for backward in (False, True):
+            fl[d, backward] = floor(d, True, backward, n)
+            line = f"floor D={d} {'fwd+bwd' if backward else 'fwd'}: {fl[d, backward]:.3f} ms"
+            print(line, flush=True)
+            lines.append(line)
+    if "fwd" in args.groups:
+        for cfg in ("", "128,128,8,3", "128,128,8,2", "128,64,8,2", "128,64,8,4", "64,128,4,3",
+                    "64,128,4,2", "128,128,4,2", "64,64,4,4"):
+            row(f"D=128 hilbert fwd tiles {cfg or 'default'}", 128, True, False,
+                {"HILBERT_FX_TRITON_FWD": cfg} if cfg else {}, fl[128, False])
+    if "hilbert" in args.groups:
+        for hilbert in (True, False):
+            for exp in ("", "prefetch", "ws", "prefetch,ws"):
+                if exp and "prefetch" in exp and not hilbert:
+                    continue
+                row(f"D=128 hilbert={hilbert} fwd experiment={exp or '-'}", 128, hilbert, False,
+                    {"HILBERT_FX_TRITON_EXPERIMENT": exp} if exp else {}, fl[128, False])
+        row("D=128 hilbert=True fwd+bwd experiment=prefetch", 128, True, True,
+            {"HILBERT_FX_TRITON_EXPERIMENT": "prefetch"}, fl[128, True])
+        row("D=128 hilbert=False fwd+bwd", 128, False, True, {}, fl[128, True])
+    if "d64" in args.groups:
+        for cfg in ("", "128,128,8,3", "128,128,4,3", "128,64,4,4", "128,64,8,3", "64,64,4,3",
+                    "128,32,4,3", "64,128,4,3"):
+            row(f"D=64 hilbert fwd tiles {cfg or 'default'}", 64, True, False,
+                {"HILBERT_FX_TRITON_FWD": cfg} if cfg else {}, fl[64, False])
+    if "bwd" in args.groups:
+        row("D=128 hilbert fwd+bwd default", 128, True, True, {}, fl[128, True])
+        for cfg in ("32,128,4,3", "32,128,8,2", "64,128,4,2", "32,64,4,4", "64,64,4,2"):
+            row(f"D=128 hilbert fwd+bwd dkdv {cfg}", 128, True, True,
+                {"HILBERT_FX_TRITON_DKDV": cfg}, fl[128, True])
+        for cfg in ("128,64,4,2", "64,64,4,2", "128,32,8,3", "64,32,4,4"):
+            row(f"D=128 hilbert fwd+bwd dq {cfg}", 128, True, True,
+                {"HILBERT_FX_TRITON_DQ": cfg}, fl[128, True])
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "explore.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
