@@ -124,18 +124,15 @@ def _fwd_tiles(acc, l_i, m_i, q, pos_m, offs_m, qhash, lo, hi,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
                CAUSAL: tl.constexpr, STRIDED: tl.constexpr, MASK_KIND: tl.constexpr,
                DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-               NONNEG_SCALE: tl.constexpr, WS: tl.constexpr, PREFETCH: tl.constexpr):
+               NONNEG_SCALE: tl.constexpr):
     """Online softmax of one query tile over the key members [lo, hi) of its set."""
     pos_next = _set_positions(Pos, set_base, stride_pm, first, R, lo + tl.arange(0, BLOCK_N),
                               count, STRIDED)
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if PREFETCH:  # the plan's positions of the next tile are loaded one tile ahead
-            pos_n = pos_next
-            pos_next = _set_positions(Pos, set_base, stride_pm, first, R, offs_n + BLOCK_N,
-                                      count, STRIDED)
-        else:
-            pos_n = _set_positions(Pos, set_base, stride_pm, first, R, offs_n, count, STRIDED)
+        pos_n = pos_next  # positions one tile ahead: the rows' loads need not wait for the plan
+        pos_next = _set_positions(Pos, set_base, stride_pm, first, R, offs_n + BLOCK_N, count,
+                                  STRIDED)
         key_ok = offs_n < count
         k = _load_rows(K_base, pos_n, stride_kn, stride_kd, key_ok, HEAD_DIM, BLOCK_D, EDGE, UPCAST)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
@@ -180,8 +177,7 @@ def _fwd_kernel(Q, K, V, Out, Acc, Lse, Pos, Cnt, Mask, Seed,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 STRIDED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                 DROPOUT: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr, NONNEG_SCALE: tl.constexpr,
-                WS: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr, NONNEG_SCALE: tl.constexpr):
     """One branch, one program per (query tile, batch * head, segment).
 
     Computes the branch's attention for the tile's query rows and merges it by log-sum-exp
@@ -222,13 +218,13 @@ def _fwd_kernel(Q, K, V, Out, Acc, Lse, Pos, Cnt, Mask, Seed,
         stride_kn, stride_kd, stride_vn, stride_vd, Pos, set_base, stride_pm, first, R, count,
         M_base, stride_mq, stride_mk, qk_scale, keep_threshold,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, CAUSAL, STRIDED, MASK_KIND,
-        DROPOUT, UPCAST, PRECISION, NONNEG_SCALE, WS, PREFETCH)
+        DROPOUT, UPCAST, PRECISION, NONNEG_SCALE)
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, pos_m, offs_m, qhash, lo, hi, K_base, V_base,
         stride_kn, stride_kd, stride_vn, stride_vd, Pos, set_base, stride_pm, first, R, count,
         M_base, stride_mq, stride_mk, qk_scale, keep_threshold,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, CAUSAL, STRIDED, MASK_KIND,
-        DROPOUT, UPCAST, PRECISION, NONNEG_SCALE, WS, PREFETCH)
+        DROPOUT, UPCAST, PRECISION, NONNEG_SCALE)
 
     # This branch's result: o (normalised) and its log-sum-exp, -inf for rows with no key.
     empty = l_i == 0.0
@@ -299,9 +295,13 @@ def _bwd_dkdv_tiles(dk, dv, k, v, pos_n, offs_n, key_ok, lo, hi,
                     DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, UPCAST: tl.constexpr,
                     PRECISION: tl.constexpr):
     """dK, dV of one key tile from the query members [lo, hi) of one head (transposed tiles)."""
+    pos_next = _set_positions(Pos, set_base, stride_pm, first, R, lo + tl.arange(0, BLOCK_M),
+                              count, STRIDED)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        pos_m = _set_positions(Pos, set_base, stride_pm, first, R, offs_m, count, STRIDED)
+        pos_m = pos_next  # one tile ahead, as in _fwd_tiles
+        pos_next = _set_positions(Pos, set_base, stride_pm, first, R, offs_m + BLOCK_M, count,
+                                  STRIDED)
         q_ok = offs_m < count
         q = _load_rows(Q_base, pos_m, stride_qn, stride_qd, q_ok, HEAD_DIM, BLOCK_D, EDGE, UPCAST)
         s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [keys, queries]
@@ -447,9 +447,13 @@ def _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, qhash, lo, hi,
                   CAUSAL: tl.constexpr, STRIDED: tl.constexpr, MASK_KIND: tl.constexpr,
                   DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of one query tile from the key members [lo, hi) of its set."""
+    pos_next = _set_positions(Pos, set_base, stride_pm, first, R, lo + tl.arange(0, BLOCK_N),
+                              count, STRIDED)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        pos_n = _set_positions(Pos, set_base, stride_pm, first, R, offs_n, count, STRIDED)
+        pos_n = pos_next  # one tile ahead, as in _fwd_tiles
+        pos_next = _set_positions(Pos, set_base, stride_pm, first, R, offs_n + BLOCK_N, count,
+                                  STRIDED)
         key_ok = offs_n < count
         k = _load_rows(K_base, pos_n, stride_kn, stride_kd, key_ok, HEAD_DIM, BLOCK_D, EDGE, UPCAST)
         v = _load_rows(V_base, pos_n, stride_vn, stride_vd, key_ok, HEAD_DIM_V, BLOCK_DV, EDGE,

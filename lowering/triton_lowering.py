@@ -151,12 +151,13 @@ def _capability(device: torch.device) -> tuple[int, int]:
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim (<= 64, <= 128, <= 256), checked to compile
 # for sm_90 without register spills and within its 227 KB of shared memory. A user mask is one
 # more pipelined tile per step, so masked kernels keep fewer or smaller tiles in flight.
-_FWD_HOPPER = {"16": ((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 2)),
+_FWD_HOPPER = {"16": ((128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 8, 2)),
                "16mask": ((128, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2)),
                "32": ((64, 32, 4, 2), (64, 16, 4, 2), (16, 16, 4, 1))}
 _FWD_AMPERE = {"16": ((128, 64, 4, 3), (128, 64, 4, 2), (64, 64, 4, 2)),
                "16mask": ((128, 64, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
                "32": ((64, 32, 4, 2), (64, 16, 4, 2), (16, 16, 4, 1))}
+# fwd "16", D <= 64: (128, 128, 4, 3) timed best of eight on an H200 at N = 64K (BENCHMARKS.md).
 # dkdv "16", D <= 128: (32, 64, 4, 3) timed best of five on an H200 at N = 64K (BENCHMARKS.md).
 _DKDV = {"16": ((32, 128, 4, 3), (32, 64, 4, 3), (32, 64, 8, 1)),
          "16mask": ((32, 128, 4, 2), (64, 64, 8, 2), (32, 64, 8, 1)),
@@ -165,12 +166,6 @@ _DQ = {"16": ((128, 32, 4, 3), (128, 64, 8, 2), (64, 32, 8, 1)),
        "16mask": ((128, 32, 4, 2), (128, 64, 8, 2), (64, 32, 8, 1)),
        "32": ((64, 32, 4, 2), (32, 16, 4, 1), (16, 16, 4, 1))}
 _INTERPRETED = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
-
-
-def _forward_experiment() -> dict:
-    """HILBERT_FX_TRITON_EXPERIMENT="ws,prefetch": forward kernel variants under test."""
-    flags = os.environ.get("HILBERT_FX_TRITON_EXPERIMENT", "").split(",")
-    return {"WS": "ws" in flags, "PREFETCH": "prefetch" in flags}
 
 
 def tile_config(kind: str, device, dtype, head_dim: int, interpreted: bool,
@@ -383,7 +378,7 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
                 HEAD_DIM=c["d"], HEAD_DIM_V=dv, BLOCK_D=c["block_d"], BLOCK_DV=c["block_dv"],
                 STRIDED=plan.is_strided, CAUSAL=bool(is_causal), MASK_KIND=c["mask_kind"],
                 DROPOUT=c["dropout"], FIRST=i == 0, LAST=last, UPCAST=c["upcast"],
-                PRECISION=c["precision"], NONNEG_SCALE=scale >= 0, **_forward_experiment())
+                PRECISION=c["precision"], NONNEG_SCALE=scale >= 0)
     if not covers:  # rows no branch selects: out 0 (acc holds nothing there), lse -inf
         out = torch.where((lse > NEG_INF).unsqueeze(-1), acc, 0.0).to(q.dtype)
     return out, lse

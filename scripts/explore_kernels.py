@@ -4,7 +4,7 @@
 
 The issue-4 configuration (bf16, B=1, H=16, branches (2048,1) ... (16384,8)), D=128 and D=64.
 Each variant is an environment setting read by lowering/triton_lowering.py at call time
-(tile configs HILBERT_FX_TRITON_{FWD,DKDV,DQ}, kernel variants HILBERT_FX_TRITON_EXPERIMENT);
+(tile configs HILBERT_FX_TRITON_{FWD,DKDV,DQ});
 times are medians of triton.testing.do_bench, the floor measured in the same process.
 """
 from __future__ import annotations
@@ -21,8 +21,7 @@ from hilbert_fx.bench import _floor_fn, _time  # noqa: E402
 from lowering import dilated_attention  # noqa: E402
 
 SEGS, RATES = [2048, 4096, 8192, 16384], [1, 2, 4, 8]
-KNOBS = ("HILBERT_FX_TRITON_FWD", "HILBERT_FX_TRITON_DKDV", "HILBERT_FX_TRITON_DQ",
-         "HILBERT_FX_TRITON_EXPERIMENT")
+KNOBS = ("HILBERT_FX_TRITON_FWD", "HILBERT_FX_TRITON_DKDV", "HILBERT_FX_TRITON_DQ")
 
 
 def timing(d: int, hilbert: bool, backward: bool, env: dict, n: int) -> float:
@@ -82,18 +81,12 @@ def main():
             row(f"D=128 hilbert fwd tiles {cfg or 'default'}", 128, True, False,
                 {"HILBERT_FX_TRITON_FWD": cfg} if cfg else {}, fl[128, False])
     if "hilbert" in args.groups:
-        for hilbert in (True, False):
-            for exp in ("", "prefetch", "ws", "prefetch,ws"):
-                if exp and "prefetch" in exp and not hilbert:
-                    continue
-                row(f"D=128 hilbert={hilbert} fwd experiment={exp or '-'}", 128, hilbert, False,
-                    {"HILBERT_FX_TRITON_EXPERIMENT": exp} if exp else {}, fl[128, False])
-        row("D=128 hilbert=True fwd+bwd experiment=prefetch", 128, True, True,
-            {"HILBERT_FX_TRITON_EXPERIMENT": "prefetch"}, fl[128, True])
-        row("D=128 hilbert=False fwd+bwd", 128, False, True, {}, fl[128, True])
+        for backward in (False, True):
+            for hilbert in (True, False):
+                row(f"D=128 hilbert={hilbert} {'fwd+bwd' if backward else 'fwd'}", 128, hilbert,
+                    backward, {}, fl[128, backward])
     if "d64" in args.groups:
-        for cfg in ("", "128,128,8,3", "128,128,4,3", "128,64,4,4", "128,64,8,3", "64,64,4,3",
-                    "128,32,4,3", "64,128,4,3"):
+        for cfg in ("", "128,64,4,3", "128,128,4,2", "128,128,4,4"):
             row(f"D=64 hilbert fwd tiles {cfg or 'default'}", 64, True, False,
                 {"HILBERT_FX_TRITON_FWD": cfg} if cfg else {}, fl[64, False])
     if "bwd" in args.groups:
