@@ -61,8 +61,17 @@ def _math_scores(q, k, bias, is_causal, scale):
     return s
 
 
+def _nonnegative_scale(kernel: str, q, scale):
+    """(q, scale) for the SDPA kernels: (-q, -scale) when scale < 0, the same scores exactly.
+    PyTorch's CPU kernel returns NaN for a negative scale with is_causal."""
+    if kernel != "math" and scale < 0:
+        return -q, -scale
+    return q, scale
+
+
 def forward(q, k, v, *, bias, is_causal, scale, keep=None, dropout_p=0.0):
     kernel = kernel_for(q.device, q.dtype, q.shape[-1], bias is not None, keep is not None)
+    q, scale = _nonnegative_scale(kernel, q, scale)
     if kernel == "flash_cpu":
         mask = None if bias is None else bias.to(q.dtype)
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -94,6 +103,10 @@ def backward(dout, q, k, v, out, lse, *, bias, is_causal, scale, keep=None, drop
     Rows whose lse is +inf contribute nothing.
     """
     kernel = kernel_for(q.device, q.dtype, q.shape[-1], bias is not None, keep is not None)
+    if kernel != "math" and scale < 0:  # the kernels see -q: the gradient of q is minus theirs
+        dq, dk, dv = backward(dout, -q, k, v, out, lse, bias=bias, is_causal=is_causal,
+                              scale=-scale, keep=keep, dropout_p=dropout_p)
+        return -dq, dk, dv
     lse = lse.contiguous()
     if kernel == "flash_cpu":
         mask = None if bias is None else bias.to(q.dtype)
