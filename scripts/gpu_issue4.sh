@@ -13,7 +13,7 @@ for s in $STEPS; do
        timeout 300 python3 scripts/gpu_check.py --lowerings triton --dtypes float32 --out $OUT/f32 > /tmp/f32.log 2>&1 &
        timeout 300 python3 scripts/gpu_check.py --lowerings triton --dtypes bfloat16 --out $OUT/bf16 > /tmp/bf16.log 2>&1; wait
        cat /tmp/f32.log /tmp/bf16.log ;;
-    main) timeout 300 $B --seq-lens 16384 65536 --mode both --methods floor triton sdpa dense flex --max-len flex=16384 --out $OUT ;;
+    main) timeout 540 $B --seq-lens 16384 65536 --mode both --methods floor triton sdpa dense flex --max-len flex=16384 --out $OUT ;;
     scale) mkdir -p /tmp/scale; timeout 300 $B --seq-lens 16384 65536 262144 1048576 --mode fwd --methods floor triton --out /tmp/scale; cat /tmp/scale/bench.md ;;
     hilbert) mkdir -p /tmp/h; for h in --hilbert --no-hilbert; do timeout 120 $B $h --seq-lens 65536 --mode both --methods triton floor --out /tmp/h; cat /tmp/h/bench.md; done ;;
     d64) mkdir -p /tmp/d64; timeout 120 $B --head-dim 64 --seq-lens 65536 --mode fwd --methods floor triton --out /tmp/d64; cat /tmp/d64/bench.md ;;
