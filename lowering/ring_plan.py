@@ -254,7 +254,8 @@ def _build(seq_len: int, world: int, rank: int, segment_lengths, dilation_rates,
                                            valid.unsqueeze(1), not bool(valid.all())))
 
     steps = []
-    parts: dict = {}  # (branch, cross) -> [(step's first received row, key head ids, counts)]
+    parts: dict = {}  # (branch, cross) -> [(peer, its first row among all received, the
+    #                   (branch, cross, unit) of each query head, where each unit's rows start)]
     recv_offset = 0
     for s in range(1, world):
         dst, src = (rank + s) % world, (rank - s) % world
