@@ -18,7 +18,7 @@ into the rows it covers by log-sum-exp in float32 (float64 for float64 inputs).
 Backward (FlashAttention-2 style, with the final out and lse): the received rows are fetched
 again rather than kept, each block's dq stays local, and the dk/dv of rows that came from a peer
 are summed per row and sent back to their owner (in float32), which adds them to its own. About
-half the local work runs while the rows travel in, the rest while the last gradients travel back.
+half the local work runs while the rows travel in, the rest while the gradients travel back.
 
 Every call starts with one small exchange through the process group's store (host only: it
 neither waits for the GPU nor needs a process group of its own) in which each rank states its

@@ -274,7 +274,7 @@ def _build(seq_len: int, world: int, rank: int, segment_lengths, dilation_rates,
             where[(b, ci, ui)] = total
             total += cnt
         for b, cross_list in enumerate(crosses):
-            units, head_unit, r = branch_units[b]
+            head_unit = branch_units[b][1]
             for ci, cr in enumerate(cross_list):
                 key = [(b, ci, head_unit[h]) for h in range(num_heads)]
                 if any(x in where for x in key):
