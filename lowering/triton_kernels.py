@@ -8,6 +8,8 @@ FlashAttention-2 kernels that read q, k, v where they lie (no gathered copies), 
   identity order: rows are reached through strides), else at Pos[o, j, m] (the Hilbert plan).
   The set has Cnt[o, j] members; members past that (tile padding) read position 0, a real row,
   so that loads never need a row mask, and their scores are set to -inf where it matters.
+  Pos is int32 and padded with 0 (lowering/triton_lowering.py's _plan_tensors), so a tile of
+  positions is one unmasked load.
 - Scores are kept in base 2: s = log2(e) * (scale * q.k + float mask), so exp2 is the exponential.
 - A tile is EDGE when it may hold padded members or cross the causal diagonal; only EDGE tiles
   pay for the structural masks. Causal attention over an ascending set is a lower triangle
@@ -49,13 +51,13 @@ def _keep(qhash, pos_k, threshold):
 
 @triton.jit
 def _set_positions(Pos, set_base, stride_pm, first, R, idx, count, STRIDED: tl.constexpr):
-    """Positions (int32) of members idx of a set; members at or past `count` read position 0."""
-    valid = idx < count
+    """Positions (int32) of members idx of a set; members at or past `count` read position 0.
+    Pos is padded with 0 past each set's count and one tile beyond its last: no load mask."""
     if STRIDED:
-        pos = first + idx * R
+        pos = tl.where(idx < count, first + idx * R, 0)
     else:
-        pos = tl.load(Pos + set_base + idx * stride_pm, mask=valid, other=0).to(tl.int32)
-    return tl.where(valid, pos, 0)
+        pos = tl.load(Pos + set_base + idx * stride_pm)
+    return pos
 
 
 @triton.jit

@@ -141,6 +141,8 @@ def _env_config(name: str) -> TileConfig | None:
         bm, bn, warps, stages = (int(x) for x in value.split(","))
     except ValueError:
         raise ValueError(f"{name} must be 'BLOCK_M,BLOCK_N,num_warps,num_stages', got {value!r}") from None
+    if not all(x in (16, 32, 64, 128, 256) for x in (bm, bn)):
+        raise ValueError(f"{name}: BLOCK_M and BLOCK_N must be powers of two from 16 to 256, got {value!r}")
     return TileConfig(bm, bn, warps, stages)
 
 
@@ -163,7 +165,9 @@ _FWD_AMPERE = {"16": ((128, 64, 4, 3), (128, 64, 4, 2), (64, 64, 4, 2)),
 _DKDV = {"16": ((32, 128, 4, 3), (32, 64, 4, 3), (32, 64, 8, 1)),
          "16mask": ((32, 128, 4, 2), (64, 64, 8, 2), (32, 64, 8, 1)),
          "32": ((32, 64, 4, 2), (16, 32, 4, 1), (16, 16, 4, 1))}
-_DQ = {"16": ((128, 32, 4, 3), (128, 64, 8, 2), (64, 32, 8, 1)),
+# dq "16", D <= 128: (128, 64, 8, 3) took forward+backward from 23.3 to 21.8-22.3 ms on an H200
+# at N = 64K (FlexAttention's sm90 dQ tiles; its dK/dV tiles (64, 128, 8, 3) were slower here).
+_DQ = {"16": ((128, 32, 4, 3), (128, 64, 8, 3), (64, 32, 8, 1)),
        "16mask": ((128, 32, 4, 2), (128, 64, 8, 2), (64, 32, 8, 1)),
        "32": ((64, 32, 4, 2), (32, 16, 4, 1), (16, 16, 4, 1))}
 _INTERPRETED = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
@@ -287,13 +291,29 @@ def _precision(dtype: torch.dtype, interpreted: bool, upcast: bool) -> str:
     return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
+POSITION_PAD = 256  # the largest BLOCK_M / BLOCK_N: a tile past a set's last may be prefetched
+
+
 def _plan_tensors(plan: BranchPlan, device):
-    """(positions, counts) of a plan on `device`; positions made contiguous once per plan, so
-    that a tile of set members is one contiguous load (the kernels accept any strides)."""
+    """(positions, counts, strided) of a plan for the kernels on `device`, made once per plan.
+
+    Strided plans (identity order) reach rows by arithmetic and pass their positions unused.
+    Otherwise the positions go as int32, each set padded with 0 (a real row) from its count on,
+    to a whole number of POSITION_PAD members plus one more POSITION_PAD: the kernels load a
+    tile of positions, and the next tile's ahead of time, without a mask. On an H200 this took
+    the Hilbert order's forward from 5.21 to 5.04 ms at N = 64K (BENCHMARKS.md)."""
     cached = getattr(plan, "_triton_tensors", None)
     if cached is None or cached[0].device != device:
-        pos, cnt = plan.positions.to(device), plan.counts.to(device)
-        cached = (pos.contiguous(), cnt)
+        cnt = plan.counts.to(device)
+        pos = plan.positions.to(device)
+        if not plan.is_strided:
+            r, s, m = pos.shape
+            valid = torch.arange(m, device=device) < cnt.unsqueeze(-1)
+            padded = torch.zeros(r, s, _cdiv(m, POSITION_PAD) * POSITION_PAD + POSITION_PAD,
+                                 dtype=torch.int32, device=device)
+            padded[:, :, :m] = torch.where(valid, pos, 0).to(torch.int32)
+            pos = padded
+        cached = (pos, cnt, plan.is_strided)
         object.__setattr__(plan, "_triton_tensors", cached)  # plans are frozen and cached
     return cached
 
@@ -363,7 +383,7 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
     kern = _kernels()
     cfg = tile_config("fwd", q.device, q.dtype, c["d"], c["interpreted"], c["mask_kind"] != 0)
     for i, plan in enumerate(order):
-        pos, cnt = _plan_tensors(plan, q.device)
+        pos, cnt, strided = _plan_tensors(plan, q.device)
         last = covers and i == len(order) - 1
 
         def grid(cfg, plan=plan):
@@ -377,7 +397,7 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
                 *pos.stride(), *cnt.stride(), hq, n, c["group"], plan.segment_length,
                 plan.dilation_rate, scale * LOG2E, c["threshold"], c["drop_scale"],
                 HEAD_DIM=c["d"], HEAD_DIM_V=dv, BLOCK_D=c["block_d"], BLOCK_DV=c["block_dv"],
-                STRIDED=plan.is_strided, CAUSAL=bool(is_causal), MASK_KIND=c["mask_kind"],
+                STRIDED=strided, CAUSAL=bool(is_causal), MASK_KIND=c["mask_kind"],
                 DROPOUT=c["dropout"], FIRST=i == 0, LAST=last, UPCAST=c["upcast"],
                 PRECISION=c["precision"], NONNEG_SCALE=scale >= 0)
     if not covers:  # rows no branch selects: out 0 (acc holds nothing there), lse -inf
@@ -419,7 +439,7 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
     q_cfg = tile_config("dq", q.device, q.dtype, d, interpreted, c["mask_kind"] != 0)
     group = c["group"]
     for i, plan in enumerate(order):
-        pos, cnt = _plan_tensors(plan, q.device)
+        pos, cnt, strided = _plan_tensors(plan, q.device)
         first = covers and i == 0
         classes = min(plan.dilation_rate, group)
         scalars = (plan.segment_length, plan.dilation_rate, scale * LOG2E, scale, c["threshold"],
@@ -434,7 +454,7 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
                 q, k, v, dout, dk, dvb, dq, lse2, delta, pos, cnt, c["mask"], c["seed"],
                 *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *c["mstrides"],
                 *pos.stride(), *cnt.stride(), hq, hkv, n, group, classes, *scalars,
-                STRIDED=plan.is_strided, FIRST=first, ATOMIC_DQ=atomic, **common)
+                STRIDED=strided, FIRST=first, ATOMIC_DQ=atomic, **common)
         if atomic:
             continue
 
@@ -447,5 +467,5 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
                 q, k, v, dout, dq, lse2, delta, pos, cnt, c["mask"], c["seed"],
                 *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *c["mstrides"],
                 *pos.stride(), *cnt.stride(), hq, n, group, *scalars,
-                STRIDED=plan.is_strided, FIRST=first, **common)
+                STRIDED=strided, FIRST=first, **common)
     return dq.to(q.dtype), dk.to(k.dtype), dvb.to(v.dtype)

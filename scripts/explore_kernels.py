@@ -6,6 +6,8 @@ The issue-4 configuration (bf16, B=1, H=16, branches (2048,1) ... (16384,8)), D=
 Each variant is an environment setting read by lowering/triton_lowering.py at call time
 (tile configs HILBERT_FX_TRITON_{FWD,DKDV,DQ});
 times are medians of triton.testing.do_bench, the floor measured in the same process.
+Group "ceiling" times the one-branch pattern (2048, 1), plain block-diagonal attention, against
+the floor and FlexAttention (Triton kernels too) on the same blocks.
 """
 from __future__ import annotations
 
@@ -24,14 +26,14 @@ SEGS, RATES = [2048, 4096, 8192, 16384], [1, 2, 4, 8]
 KNOBS = ("HILBERT_FX_TRITON_FWD", "HILBERT_FX_TRITON_DKDV", "HILBERT_FX_TRITON_DQ")
 
 
-def timing(d: int, hilbert: bool, backward: bool, env: dict, n: int) -> float:
+def timing(d: int, hilbert: bool, backward: bool, env: dict, n: int, segs=SEGS, rates=RATES) -> float:
     for key in KNOBS:
         os.environ.pop(key, None)
     os.environ.update(env)
     q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16,
                            requires_grad=backward) for _ in range(3))
     try:
-        return _time(lambda: dilated_attention(q, k, v, SEGS, RATES, hilbert=hilbert,
+        return _time(lambda: dilated_attention(q, k, v, segs, rates, hilbert=hilbert,
                                                lowering="triton"), backward, [q, k, v])
     except Exception as e:  # a config that does not compile or fit: reported, not fatal
         print(f"    failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -41,18 +43,31 @@ def timing(d: int, hilbert: bool, backward: bool, env: dict, n: int) -> float:
             os.environ.pop(key, None)
 
 
-def floor(d: int, hilbert: bool, backward: bool, n: int) -> float:
+def floor(d: int, hilbert: bool, backward: bool, n: int, segs=SEGS, rates=RATES) -> float:
     q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16,
                            requires_grad=backward) for _ in range(3))
-    fn, blocks = _floor_fn(q, k, v, SEGS, RATES, hilbert, False)
+    fn, blocks = _floor_fn(q, k, v, segs, rates, hilbert, False)
     return _time(fn, backward, [t for blk in blocks for t in blk])
+
+
+def flex_block_diagonal(d: int, backward: bool, n: int, w: int) -> float:
+    """FlexAttention (Triton kernels) on the one-branch pattern (w, 1): block-diagonal, every
+    128-block full, no score_mod: what a tuned Triton FlashAttention reaches on these blocks."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=backward) for _ in range(3))
+    mask = create_block_mask(lambda b, h, qi, ki: (qi // w) == (ki // w), None, None, n, n,
+                             device="cuda")
+    compiled = torch.compile(flex_attention)
+    return _time(lambda: compiled(q, k, v, block_mask=mask), backward, [q, k, v])
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--n", type=int, default=65536)
-    p.add_argument("--groups", nargs="+", default=["fwd", "hilbert", "d64", "bwd"])
+    p.add_argument("--groups", nargs="+", default=["fwd", "hilbert", "d64", "bwd"],
+                   help="fwd hilbert d64 bwd bwd2 ceiling")
     args = p.parse_args()
     n = args.n
     lines = [f"{torch.cuda.get_device_name()}, N={n}, bf16, H=16, branches "
@@ -75,6 +90,34 @@ def main():
             line = f"floor D={d} {'fwd+bwd' if backward else 'fwd'}: {fl[d, backward]:.3f} ms"
             print(line, flush=True)
             lines.append(line)
+    if "ceiling" in args.groups:  # one branch (2048, 1): plain block-diagonal attention
+        for d in (128, 64):
+            for backward in (False, True):
+                mode = "fwd+bwd" if backward else "fwd"
+                base = floor(d, False, backward, n, [2048], [1])
+                ours = timing(d, False, backward, {}, n, [2048], [1])
+                flex = flex_block_diagonal(d, backward, n, 2048)
+                line = (f"one branch (2048,1) D={d} {mode}: floor {base:.3f} ms, triton {ours:.3f} "
+                        f"({base / ours:.3f}), flex {flex:.3f} ({base / flex:.3f})")
+                if backward:
+                    tiles = timing(d, False, backward, {"HILBERT_FX_TRITON_DKDV": "64,128,8,3",
+                                                        "HILBERT_FX_TRITON_DQ": "128,64,8,3"},
+                                   n, [2048], [1])
+                    line += f", triton with flex's tiles {tiles:.3f} ({base / tiles:.3f})"
+                print(line, flush=True)
+                lines.append(line)
+    if "bwd2" in args.groups:  # FlexAttention's sm90 backward tiles: dK/dV (64, 128), dQ (128, 64)
+        for rep in range(2):
+            for kv, qc in (("", ""), ("64,128,8,3", ""), ("", "128,64,8,3"),
+                           ("64,128,8,3", "128,64,8,3"), ("64,128,8,2", "128,64,8,3"),
+                           ("64,64,8,3", "128,64,8,3"), ("64,128,4,3", "128,64,4,3")):
+                env = {}
+                if kv:
+                    env["HILBERT_FX_TRITON_DKDV"] = kv
+                if qc:
+                    env["HILBERT_FX_TRITON_DQ"] = qc
+                row(f"D=128 hilbert fwd+bwd dkdv {kv or '-'} dq {qc or '-'} #{rep}", 128, True,
+                    True, env, fl[128, True])
     if "fwd" in args.groups:
         for cfg in ("", "128,128,8,3", "128,128,8,2", "128,64,8,2", "128,64,8,4", "64,128,4,3",
                     "64,128,4,2", "128,128,4,2", "64,64,4,4"):
@@ -86,7 +129,7 @@ def main():
                 row(f"D=128 hilbert={hilbert} {'fwd+bwd' if backward else 'fwd'}", 128, hilbert,
                     backward, {}, fl[128, backward])
     if "d64" in args.groups:
-        for cfg in ("", "128,64,4,3", "128,128,4,2", "128,128,4,4"):
+        for cfg in ("", "128,128,4,3", "128,64,4,3", "128,128,4,3", "128,128,4,2"):
             row(f"D=64 hilbert fwd tiles {cfg or 'default'}", 64, True, False,
                 {"HILBERT_FX_TRITON_FWD": cfg} if cfg else {}, fl[64, False])
     if "bwd" in args.groups:
