@@ -377,3 +377,25 @@ def test_dropout_backward_matches_forward():
 
     assert not torch.equal(f(q, k, v), op(q, k, v, [2, 4], [1, 2], hilbert=True))
     assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+@pytest.mark.parametrize("n,w,r", [(300, 256, 4), (1000, 64, 2), (37, 64, 8)])
+def test_kernel_positions_padded(n, w, r):
+    """The kernels load a tile of positions, and the next tile's, without a mask: each set's
+    members in ascending order (from the reference's Hilbert order), then 0 up to at least one
+    whole tile of POSITION_PAD past the set's end."""
+    from lowering.plans import branch_plan
+    from lowering.triton_lowering import POSITION_PAD, _plan_tensors
+    from reference import hilbert_order
+    plan = branch_plan(n, w, r, hilbert=True)
+    pos, cnt, strided = _plan_tensors(plan, torch.device("cpu"))
+    assert not strided and pos.dtype == torch.int32
+    assert pos.shape[-1] >= w // r + POSITION_PAD and pos.shape[-1] % POSITION_PAD == 0
+    order = [int(p) for p in hilbert_order(w)]
+    for o in range(r):
+        for j in range(plan.num_segments):
+            expected = sorted(j * w + p for t, p in enumerate(order) if t % r == o and j * w + p < n)
+            c = int(cnt[o, j])
+            assert c == len(expected)
+            assert pos[o, j, :c].tolist() == expected
+            assert not pos[o, j, c:].any()
