@@ -301,7 +301,8 @@ def _plan_tensors(plan: BranchPlan, device):
     Otherwise the positions go as int32, each set padded with 0 (a real row) from its count on,
     to a whole number of POSITION_PAD members plus one more POSITION_PAD: the kernels load a
     tile of positions, and the next tile's ahead of time, without a mask. On an H200 this took
-    the Hilbert order's forward from 5.21 to 5.04 ms at N = 64K (BENCHMARKS.md)."""
+    the Hilbert order's forward at N = 64K from 5.21 to 5.04 ms and from 5.25 to 5.08 ms, timed
+    in one process against int64 positions and masked loads (BENCHMARKS.md)."""
     cached = getattr(plan, "_triton_tensors", None)
     if cached is None or cached[0].device != device:
         cnt = plan.counts.to(device)
