@@ -197,23 +197,16 @@ def _shrunk(cfg: TileConfig, keep_divisible_m: bool) -> TileConfig | None:
     """A smaller config to retry with after the GPU ran out of shared memory or registers."""
     if cfg.num_stages > 1:
         return TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1)
-    bm, bn = cfg.block_m, cfg.block_n
-    if keep_divisible_m:  # block_m a multiple of block_n
-        if bm > bn and bm > 16:
-            bm //= 2
-        elif bn > 16:
-            bn //= 2
-            bm = max(bm // 2, bn)
-        else:
-            return None
-    else:  # block_n a multiple of block_m
-        if bn > bm and bn > 16:
-            bn //= 2
-        elif bm > 16:
-            bm //= 2
-            bn = max(bn // 2, bm)
-        else:
-            return None
+    # `big` is the tile that must stay a multiple of `small`: block_m for fwd and dq, else block_n
+    big, small = (cfg.block_m, cfg.block_n) if keep_divisible_m else (cfg.block_n, cfg.block_m)
+    if big > small and big > 16:
+        big //= 2
+    elif small > 16:
+        small //= 2
+        big = max(big // 2, small)
+    else:
+        return None
+    bm, bn = (big, small) if keep_divisible_m else (small, big)
     return TileConfig(bm, bn, cfg.num_warps, 2)
 
 

@@ -26,12 +26,16 @@ SEGS, RATES = [2048, 4096, 8192, 16384], [1, 2, 4, 8]
 KNOBS = ("HILBERT_FX_TRITON_FWD", "HILBERT_FX_TRITON_DKDV", "HILBERT_FX_TRITON_DQ")
 
 
+def _inputs(d: int, n: int, backward: bool):
+    return [torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+            for _ in range(3)]
+
+
 def timing(d: int, hilbert: bool, backward: bool, env: dict, n: int, segs=SEGS, rates=RATES) -> float:
     for key in KNOBS:
         os.environ.pop(key, None)
     os.environ.update(env)
-    q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16,
-                           requires_grad=backward) for _ in range(3))
+    q, k, v = _inputs(d, n, backward)
     try:
         return _time(lambda: dilated_attention(q, k, v, segs, rates, hilbert=hilbert,
                                                lowering="triton"), backward, [q, k, v])
@@ -44,8 +48,7 @@ def timing(d: int, hilbert: bool, backward: bool, env: dict, n: int, segs=SEGS, 
 
 
 def floor(d: int, hilbert: bool, backward: bool, n: int, segs=SEGS, rates=RATES) -> float:
-    q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16,
-                           requires_grad=backward) for _ in range(3))
+    q, k, v = _inputs(d, n, backward)
     fn, blocks = _floor_fn(q, k, v, segs, rates, hilbert, False)
     return _time(fn, backward, [t for blk in blocks for t in blk])
 
@@ -54,8 +57,7 @@ def flex_block_diagonal(d: int, backward: bool, n: int, w: int) -> float:
     """FlexAttention (Triton kernels) on the one-branch pattern (w, 1): block-diagonal, every
     128-block full, no score_mod: what a tuned Triton FlashAttention reaches on these blocks."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16,
-                           requires_grad=backward) for _ in range(3))
+    q, k, v = _inputs(d, n, backward)
     mask = create_block_mask(lambda b, h, qi, ki: (qi // w) == (ki // w), None, None, n, n,
                              device="cuda")
     compiled = torch.compile(flex_attention)

@@ -399,3 +399,32 @@ def test_kernel_positions_padded(n, w, r):
             assert c == len(expected)
             assert pos[o, j, :c].tolist() == expected
             assert not pos[o, j, c:].any()
+
+
+@pytest.mark.parametrize("keep_divisible_m", [True, False])
+def test_shrunk_tiles_keep_the_walk_divisible(keep_divisible_m):
+    """After running out of GPU resources the launcher retries with _shrunk configs: stages go
+    first, then tiles halve, never below 16, the tile walked in whole steps (BLOCK_M for fwd and
+    dq, BLOCK_N for dkdv) staying a multiple of the other, until nothing smaller is left."""
+    from lowering.triton_lowering import TileConfig, _shrunk
+    sizes = (16, 32, 64, 128, 256)
+    for big in sizes:
+        for small in (s for s in sizes if s <= big):
+            bm, bn = (big, small) if keep_divisible_m else (small, big)
+            cfg, steps = TileConfig(bm, bn, 4, 3), 0
+            while True:
+                nxt = _shrunk(cfg, keep_divisible_m)
+                if nxt is None:
+                    assert (cfg.block_m, cfg.block_n, cfg.num_stages) == (16, 16, 1)
+                    break
+                steps += 1
+                if cfg.num_stages > 1:
+                    assert (nxt.block_m, nxt.block_n, nxt.num_stages) == (
+                        cfg.block_m, cfg.block_n, cfg.num_stages - 1)
+                else:
+                    assert nxt.block_m * nxt.block_n < cfg.block_m * cfg.block_n
+                    assert min(nxt.block_m, nxt.block_n) >= 16
+                    b, s = (nxt.block_m, nxt.block_n) if keep_divisible_m else (nxt.block_n, nxt.block_m)
+                    assert b % s == 0
+                cfg = nxt
+            assert steps < 20
