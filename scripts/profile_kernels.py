@@ -1,0 +1,114 @@
+"""Per-kernel GPU time of the Triton lowering's forward+backward, beside FlexAttention's, at N = 64K.
+
+    PYTHONPATH=. python scripts/profile_kernels.py --out $OUT
+
+torch.profiler over a few steps after warm-up; for each workload a table of the GPU kernels with
+their time per step (ms), and the registers and spills of each compiled Triton kernel of ours.
+Workloads: the issue-4 configuration (bf16, H=16, D=128, branches (2048,1) ... (16384,8),
+Hilbert on); the one-branch pattern (2048, 1) (ours and FlexAttention's, every block full).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lowering import dilated_attention  # noqa: E402
+
+SEGS, RATES = [2048, 4096, 8192, 16384], [1, 2, 4, 8]
+
+
+def _inputs(n: int, d: int = 128):
+    return [torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(3)]
+
+
+def kernel_table(step, steps: int = 5) -> tuple[list[tuple[str, float, int]], float]:
+    """[(kernel name, ms per step, launches per step)], total ms per step."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    times, calls = defaultdict(float), defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            times[ev.name[:70]] += ev.device_time / 1000.0
+            calls[ev.name[:70]] += 1
+    rows = sorted(((k, t / steps, calls[k] // steps) for k, t in times.items()), key=lambda r: -r[1])
+    return rows, sum(r[1] for r in rows)
+
+
+def fwd_bwd(fn, inputs):
+    def step():
+        out = fn()
+        out.backward(torch.ones_like(out))  # a fixed dO: the same work every step
+        for t in inputs:
+            t.grad = None
+    return step
+
+
+def registers() -> list[str]:
+    """Registers and spills of each compiled kernel of lowering/triton_kernels.py."""
+    from lowering import triton_kernels as tk
+    lines = []
+    for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_preprocess"):
+        fn = getattr(tk, name)
+        for caches in fn.device_caches.values():
+            for kernel in caches[0].values():
+                md = kernel.metadata
+                lines.append(f"{name:18s} warps {md.num_warps} stages {md.num_stages} "
+                             f"regs {getattr(kernel, 'n_regs', '?')} "
+                             f"spills {getattr(kernel, 'n_spills', '?')} shared {md.shared}")
+    return lines
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--n", type=int, default=65536)
+    args = p.parse_args()
+    n = args.n
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, N={n}, bf16, H=16, D=128"]
+    q, k, v = _inputs(n)
+    mask = create_block_mask(lambda b, h, qi, ki: (qi // 2048) == (ki // 2048), None, None, n, n,
+                             device="cuda")
+    flex = torch.compile(flex_attention)
+    workloads = [
+        ("ours, issue-4 branches, hilbert", {},
+         lambda: dilated_attention(q, k, v, SEGS, RATES, hilbert=True, lowering="triton")),
+        ("ours, one branch (2048,1)", {},
+         lambda: dilated_attention(q, k, v, [2048], [1], lowering="triton")),
+        ("ours, one branch (2048,1), dkdv 64,128,8,3", {"HILBERT_FX_TRITON_DKDV": "64,128,8,3"},
+         lambda: dilated_attention(q, k, v, [2048], [1], lowering="triton")),
+        ("flex, one branch (2048,1)", {}, lambda: flex(q, k, v, block_mask=mask)),
+    ]
+    for label, env, fn in workloads:
+        os.environ.update(env)
+        try:
+            rows, total = kernel_table(fwd_bwd(fn, [q, k, v]))
+        finally:
+            for key in env:
+                os.environ.pop(key)
+        lines.append(f"\n== {label}: {total:.3f} ms of kernels per forward+backward")
+        lines += [f"  {ms:8.3f} ms  x{c:<3d} {name}" for name, ms, c in rows]
+        print("\n".join(lines[-len(rows) - 1:]), flush=True)
+    lines.append("\n== registers")
+    lines += registers()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "profile_kernels.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines[lines.index("\n== registers"):]))
+
+
+if __name__ == "__main__":
+    main()
