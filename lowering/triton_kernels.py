@@ -296,10 +296,12 @@ def _bwd_dkdv_tiles(dk, dv, k, v, pos_n, offs_n, key_ok, lo, hi,
                     CAUSAL: tl.constexpr, STRIDED: tl.constexpr, MASK_KIND: tl.constexpr,
                     DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, UPCAST: tl.constexpr,
                     PRECISION: tl.constexpr):
-    """dK, dV of one key tile from the query members [lo, hi) of one head (transposed tiles)."""
+    """dK, dV of one key tile from the query members [lo, hi) of one head (transposed tiles).
+    EDGE ranges (a causal diagonal, a set's last partial tile) are not software-pipelined: the
+    pipelined copy of the loop held registers the main loop's tiles needed (fewer spills)."""
     pos_next = _set_positions(Pos, set_base, stride_pm, first, R, lo + tl.arange(0, BLOCK_M),
                               count, STRIDED)
-    for start_m in range(lo, hi, BLOCK_M):
+    for start_m in tl.range(lo, hi, BLOCK_M, num_stages=1 if EDGE else None):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         pos_m = pos_next  # one tile ahead, as in _fwd_tiles
         pos_next = _set_positions(Pos, set_base, stride_pm, first, R, offs_m + BLOCK_M, count,
@@ -337,7 +339,77 @@ def _bwd_dkdv_tiles(dk, dv, k, v, pos_n, offs_n, key_ok, lo, hi,
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, Lse2, Delta, Pos, Cnt, Mask, Seed,
+def _bwd_dkdv_head(dk, dv, k, v, pos_n, offs_n, key_ok, start_n, count, h, b,
+                   Q, DO, DQ, Lse2, Delta, Mask, Seed,
+                   stride_qb, stride_qh, stride_qn, stride_qd,
+                   stride_dob, stride_doh, stride_don, stride_dod, stride_mb, stride_mh,
+                   stride_mq, stride_mk, H, N, Pos, set_base, stride_pm, first, R,
+                   qk_scale, scale, keep_threshold, drop_scale,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, STRIDED: tl.constexpr, MASK_KIND: tl.constexpr,
+                   DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, UPCAST: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """Adds to dK, dV of one key tile what query head h's members of the set give."""
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    bh64 = (b * H + h).to(tl.int64)
+    Q_base = Q + b64 * stride_qb + h64 * stride_qh
+    DO_base = DO + b64 * stride_dob + h64 * stride_doh
+    DQ_base = DQ + bh64 * N * HEAD_DIM
+    Lse2_base = Lse2 + bh64 * N
+    Delta_base = Delta + bh64 * N
+    M_base = Mask + b64 * stride_mb + h64 * stride_mh
+    if CAUSAL:  # queries from the key tile's diagonal on: the diagonal tiles masked
+        lo = start_n + BLOCK_N
+        dk, dv = _bwd_dkdv_tiles(
+            dk, dv, k, v, pos_n, offs_n, key_ok, start_n, tl.minimum(lo, count),
+            Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
+            Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
+            M_base, stride_mq, stride_mk, Seed, b, h, qk_scale, scale, keep_threshold,
+            drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL,
+            STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
+    else:
+        lo = 0
+    full = count // BLOCK_M * BLOCK_M
+    dk, dv = _bwd_dkdv_tiles(
+        dk, dv, k, v, pos_n, offs_n, key_ok, lo, full,
+        Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
+        Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
+        M_base, stride_mq, stride_mk, Seed, b, h, qk_scale, scale, keep_threshold,
+        drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False, CAUSAL,
+        STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
+    dk, dv = _bwd_dkdv_tiles(
+        dk, dv, k, v, pos_n, offs_n, key_ok, tl.maximum(full, lo), count,
+        Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
+        Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
+        M_base, stride_mq, stride_mk, Seed, b, h, qk_scale, scale, keep_threshold,
+        drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL,
+        STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _add_rows(acc, Buf, Final, Seen, seen_base, rows, pos, row_ok, DIM: tl.constexpr,
+              BLOCK: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
+    """The epilogue of a backward program: acc (float32 rows `rows` of a [.., DIM] gradient)
+    plus what the branches launched before left in Buf (float32), stored to Buf, or when LAST
+    to Final in its own dtype. Buf is never zeroed: unless FIRST, a program reads it only at
+    rows an earlier branch wrote, Seen[seen_base + pos] != 0."""
+    offs = tl.arange(0, BLOCK)
+    off = rows[:, None] * DIM + offs[None, :]
+    ok = row_ok[:, None] & (offs[None, :] < DIM)
+    if not FIRST:
+        seen = tl.load(Seen + seen_base + pos, mask=row_ok, other=0)
+        acc += tl.load(Buf + off, mask=ok & (seen != 0)[:, None], other=0.0)
+    if LAST:
+        tl.store(Final + off, acc.to(Final.dtype.element_ty), mask=ok)
+    else:
+        tl.store(Buf + off, acc, mask=ok)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, DKO, DVO, Seen, Lse2, Delta, Pos, Cnt, Mask, Seed,
                      stride_qb, stride_qh, stride_qn, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
@@ -350,14 +422,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, Lse2, Delta, Pos, Cnt, Mask, Seed,
                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      STRIDED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-                     DROPOUT: tl.constexpr, FIRST: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                     DROPOUT: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+                     ONE_HEAD: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                      UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One branch, one program per (key tile, batch * kv head * offset class, segment).
 
     The query heads of kv head g = h // GROUP fall into classes by their offset h % R; a program
-    takes one class, loops over its heads and their query tiles, and adds dK, dV of its key rows
-    into DK, DV (float32; written without reading when FIRST). Key rows of different programs
-    never overlap within a launch: no atomics, a deterministic sum.
+    takes one class, loops over its heads (ONE_HEAD: GROUP <= R, so a class is one head) and
+    their query tiles, and adds dK, dV of its key rows into DK, DV (float32; a LAST branch
+    writes DKO, DVO in k's dtype instead, see _add_rows). Key
+    rows of different programs never overlap within a launch: no atomics, a deterministic sum.
     """
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)
@@ -385,58 +459,27 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, Lse2, Delta, Pos, Cnt, Mask, Seed,
                    HEAD_DIM_V, BLOCK_DV, False, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    if CAUSAL:  # queries from the key tile's diagonal on: the diagonal tiles masked
-        lo = start_n + BLOCK_N
+    if ONE_HEAD:
+        dk, dv = _bwd_dkdv_head(
+            dk, dv, k, v, pos_n, offs_n, key_ok, start_n, count, h_first, b,
+            Q, DO, DQ, Lse2, Delta, Mask, Seed, stride_qb, stride_qh, stride_qn, stride_qd,
+            stride_dob, stride_doh, stride_don, stride_dod, stride_mb, stride_mh, stride_mq,
+            stride_mk, H, N, Pos, set_base, stride_pm, first, R, qk_scale, scale,
+            keep_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+            BLOCK_N, CAUSAL, STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
     else:
-        lo = 0
-    full = count // BLOCK_M * BLOCK_M
-    num_heads = (GROUP - cls + R - 1) // R
-    for i in range(0, num_heads):
-        h = h_first + i * R
-        bh = b * H + h
-        h64 = h.to(tl.int64)
-        Q_base = Q + b64 * stride_qb + h64 * stride_qh
-        DO_base = DO + b64 * stride_dob + h64 * stride_doh
-        DQ_base = DQ + bh.to(tl.int64) * N * HEAD_DIM
-        Lse2_base = Lse2 + bh.to(tl.int64) * N
-        Delta_base = Delta + bh.to(tl.int64) * N
-        M_base = Mask + b64 * stride_mb + h64 * stride_mh
-        if CAUSAL:
-            dk, dv = _bwd_dkdv_tiles(
-                dk, dv, k, v, pos_n, offs_n, key_ok, start_n, tl.minimum(lo, count),
-                Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
-                Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
-                M_base, stride_mq, stride_mk, Seed, b, h, qk_scale, scale, keep_threshold,
-                drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL,
-                STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
-        dk, dv = _bwd_dkdv_tiles(
-            dk, dv, k, v, pos_n, offs_n, key_ok, lo, full,
-            Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
-            Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
-            M_base, stride_mq, stride_mk, Seed, b, h, qk_scale, scale, keep_threshold,
-            drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False, CAUSAL,
-            STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
-        dk, dv = _bwd_dkdv_tiles(
-            dk, dv, k, v, pos_n, offs_n, key_ok, tl.maximum(full, lo), count,
-            Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
-            Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
-            M_base, stride_mq, stride_mk, Seed, b, h, qk_scale, scale, keep_threshold,
-            drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL,
-            STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
-    dk = dk * scale
-
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    rows = bg.to(tl.int64) * N + pos_n  # DK, DV: contiguous float32 [B, HKV, N, *]
-    dk_ptrs = DK + rows[:, None] * HEAD_DIM + offs_d[None, :]
-    dv_ptrs = DV + rows[:, None] * HEAD_DIM_V + offs_dv[None, :]
-    dk_ok = key_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    dv_ok = key_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
-    if not FIRST:
-        dk += tl.load(dk_ptrs, mask=dk_ok, other=0.0)
-        dv += tl.load(dv_ptrs, mask=dv_ok, other=0.0)
-    tl.store(dk_ptrs, dk, mask=dk_ok)
-    tl.store(dv_ptrs, dv, mask=dv_ok)
+        for i in range(0, (GROUP - cls + R - 1) // R):
+            dk, dv = _bwd_dkdv_head(
+                dk, dv, k, v, pos_n, offs_n, key_ok, start_n, count, h_first + i * R, b,
+                Q, DO, DQ, Lse2, Delta, Mask, Seed, stride_qb, stride_qh, stride_qn, stride_qd,
+                stride_dob, stride_doh, stride_don, stride_dod, stride_mb, stride_mh, stride_mq,
+                stride_mk, H, N, Pos, set_base, stride_pm, first, R, qk_scale, scale,
+                keep_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                BLOCK_N, CAUSAL, STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
+    rows = bg.to(tl.int64) * N + pos_n  # DK, DV, DKO, DVO: contiguous [B, HKV, N, *]
+    _add_rows(dk * scale, DK, DKO, Seen, g64 * N, rows, pos_n, key_ok, HEAD_DIM, BLOCK_D,
+              FIRST, LAST)
+    _add_rows(dv, DV, DVO, Seen, g64 * N, rows, pos_n, key_ok, HEAD_DIM_V, BLOCK_DV, FIRST, LAST)
 
 
 @triton.jit
@@ -479,23 +522,23 @@ def _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, qhash, lo, hi,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, DQ, Lse2, Delta, Pos, Cnt, Mask, Seed,
+def _bwd_dq_kernel(Q, K, V, DO, DQ, DQO, Seen, Lse2, Delta, Pos, Cnt, Mask, Seed,
                    stride_qb, stride_qh, stride_qn, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
                    stride_dob, stride_doh, stride_don, stride_dod,
                    stride_mb, stride_mh, stride_mq, stride_mk,
                    stride_po, stride_ps, stride_pm, stride_co, stride_cs,
-                H, N, GROUP, SEG, R,
+                   H, N, GROUP, SEG, R,
                    qk_scale, scale, keep_threshold, drop_scale,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    STRIDED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-                   DROPOUT: tl.constexpr, FIRST: tl.constexpr,
+                   DROPOUT: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One branch, one program per (query tile, batch * head, segment): adds dQ of its rows into
-    DQ (float32; written without reading when FIRST)."""
+    DQ (float32; a LAST branch writes DQO in q's dtype instead, see _add_rows)."""
     bh, b, h, count, start_m, first, set_base, offs_m, row_ok, pos_m = _query_tile(
         Pos, Cnt, stride_po, stride_ps, stride_pm, stride_co, stride_cs, H, SEG, R,
         BLOCK_M, STRIDED, CAUSAL)
@@ -537,10 +580,6 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, Lse2, Delta, Pos, Cnt, Mask, Seed,
                        qk_scale, keep_threshold, drop_scale,
                        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, CAUSAL, STRIDED,
                        MASK_KIND, DROPOUT, UPCAST, PRECISION)
-    dq = dq * scale
-    offs_d = tl.arange(0, BLOCK_D)
-    dq_ptrs = DQ + rows[:, None] * HEAD_DIM + offs_d[None, :]  # contiguous float32 [B, H, N, D]
-    dq_ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    if not FIRST:
-        dq += tl.load(dq_ptrs, mask=dq_ok, other=0.0)
-    tl.store(dq_ptrs, dq, mask=dq_ok)
+    # DQ, DQO: contiguous [B, H, N, D]
+    _add_rows(dq * scale, DQ, DQO, Seen, h64 * N, rows, pos_m, row_ok, HEAD_DIM, BLOCK_D, FIRST,
+              LAST)

@@ -31,6 +31,10 @@ segment) -- the query heads of a kv head that share the offset h % r share the k
 program loops over them and over their query tiles with K, V held in registers -- and a dQ kernel
 with one program per query tile. Each adds into float32 buffers rows that no other program of the
 launch touches, so the default path uses no atomics and is deterministic (bitwise repeatable).
+Branches run in the forward's order: the float32 buffers are never zeroed (a launch reads only
+the rows an earlier one wrote, `_seen_rows`), and a branch with r == 1 runs last and writes dq,
+dk, dv in the inputs' dtype, so no pass converts float32 gradients afterwards (on an H200 at
+N = 64K that took forward+backward from 22.3 to 21.8 ms, BENCHMARKS.md).
 Setting HILBERT_FX_TRITON_ATOMIC_DQ=1 folds dQ into the dK/dV kernel with float32 atomics instead
 (saves recomputing S and dP, not deterministic); HILBERT_FX_DETERMINISTIC=1 or
 torch.use_deterministic_algorithms(True) turn that off again.
@@ -161,8 +165,10 @@ _FWD_AMPERE = {"16": ((128, 64, 4, 3), (128, 64, 4, 2), (64, 64, 4, 2)),
                "32": ((64, 32, 4, 2), (64, 16, 4, 2), (16, 16, 4, 1))}
 # fwd "16", D <= 64: (128, 128, 4, 3) and (128, 64, 4, 3) were each 3% ahead in one of two H200
 # runs at N = 64K (BENCHMARKS.md): within the noise between runs, so the default stays.
-# dkdv "16", D <= 128: (32, 64, 4, 3) timed best of five on an H200 at N = 64K (BENCHMARKS.md).
-_DKDV = {"16": ((32, 128, 4, 3), (32, 64, 4, 3), (32, 64, 8, 1)),
+# dkdv "16", D <= 128: (64, 128, 8, 3), FlexAttention's sm90 tiles, once the kernel's edge loop
+# was left unpipelined and a class of one head lost its head loop: 20.8 and 21.1 ms against
+# 21.8 and 21.7 for (32, 64, 4, 3) on an H200 at N = 64K, forward+backward (BENCHMARKS.md).
+_DKDV = {"16": ((32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 8, 1)),
          "16mask": ((32, 128, 4, 2), (64, 64, 8, 2), (32, 64, 8, 1)),
          "32": ((32, 64, 4, 2), (16, 32, 4, 1), (16, 16, 4, 1))}
 # dq "16", D <= 128: (128, 64, 8, 3) took forward+backward from 23.3 to 21.8-22.3 ms on an H200
@@ -344,10 +350,33 @@ def _forward_order(plans):
     return rest + full[1:] + full[:1], bool(full)
 
 
-def _backward_order(plans):
-    """A branch with r == 1 first (it writes every row, so nothing needs zeroing)."""
-    order, covers = _forward_order(plans)
-    return (order[-1:] + order[:-1], True) if covers else (order, False)
+_seen_cache: dict = {}
+
+
+def _selected_rows(plan: BranchPlan, num_heads: int) -> torch.Tensor:
+    """[num_heads, N] bool: the positions query head h selects in this branch (offset h % r)."""
+    r, n = plan.dilation_rate, plan.seq_len
+    sel = torch.zeros(r, n + 1, dtype=torch.bool, device=plan.positions.device)
+    sel.scatter_(1, plan.positions.reshape(r, -1), True)  # padding is position N: column N
+    heads = torch.arange(num_heads, device=sel.device) % r
+    return sel[:, :n].index_select(0, heads)
+
+
+def _seen_rows(before, hq: int, hkv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query rows [Hq, N], key rows [Hkv, N]) uint8: 1 where a branch of `before` (launched
+    earlier) wrote a gradient row, which a later branch adds to; its other rows are not
+    initialised. Made once per sequence of plans and head counts."""
+    key = (tuple(id(p) for p in before), hq, hkv, str(device))
+    hit = _seen_cache.get(key)
+    if hit is None:
+        rows = torch.zeros(hq, before[0].seq_len, dtype=torch.bool, device=device)
+        for plan in before:
+            rows |= _selected_rows(plan, hq).to(device)
+        kv_rows = rows.view(hkv, hq // hkv, -1).any(1)
+        if len(_seen_cache) > 64:
+            _seen_cache.clear()
+        hit = _seen_cache[key] = (tuple(before), rows.to(torch.uint8), kv_rows.to(torch.uint8))
+    return hit[1], hit[2]
 
 
 def deterministic() -> bool:
@@ -420,12 +449,20 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
         out, dout, lse, delta, lse2, *out.stride(), *dout.stride(), hq, n,
         HEAD_DIM_V=dv, BLOCK_DV=c["block_dv"], BLOCK_M=pre_m)
 
-    order, covers = _backward_order(plans)
+    # The order of the forward: a branch with r == 1, if any, runs last and writes dq, dk, dv in
+    # the inputs' dtype (it has every row); the ones before add up in float32 buffers that are
+    # never zeroed (each launch reads only rows an earlier one wrote: _seen_rows).
+    order, covers = _forward_order(plans)
     atomic = _use_atomic_dq()
-    alloc = torch.empty if covers else torch.zeros
-    dk = alloc(b, hkv, n, d, dtype=torch.float32, device=q.device)
-    dvb = alloc(b, hkv, n, dv, dtype=torch.float32, device=q.device)
-    dq = (torch.zeros if atomic else alloc)(b, hq, n, d, dtype=torch.float32, device=q.device)
+    alone = covers and len(order) == 1  # FIRST and LAST: no float32 buffer at all
+    grads = [torch.empty(b, h, n, dim, dtype=q.dtype, device=q.device)
+             for h, dim in ((hq, d), (hkv, d), (hkv, dv))]
+    dk, dvb, dq = grads[1:] + grads[:1] if alone else [
+        torch.empty(b, h, n, dim, dtype=torch.float32, device=q.device)
+        for h, dim in ((hkv, d), (hkv, dv), (hq, d))]
+    nothing = torch.empty(0, dtype=torch.uint8, device=q.device)  # Seen of a FIRST launch
+    if atomic:  # dQ added by float32 atomics from the dK/dV programs
+        dq = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
     common = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=c["block_d"], BLOCK_DV=c["block_dv"],
                   CAUSAL=bool(is_causal), MASK_KIND=c["mask_kind"], DROPOUT=c["dropout"],
                   UPCAST=c["upcast"], PRECISION=c["precision"])
@@ -434,7 +471,8 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
     group = c["group"]
     for i, plan in enumerate(order):
         pos, cnt, strided = _plan_tensors(plan, q.device)
-        first = covers and i == 0
+        first, last = i == 0, covers and i == len(order) - 1
+        seen_q, seen_kv = _seen_rows(order[:i], hq, hkv, q.device) if i else (nothing, nothing)
         classes = min(plan.dilation_rate, group)
         scalars = (plan.segment_length, plan.dilation_rate, scale * LOG2E, scale, c["threshold"],
                    c["drop_scale"])
@@ -445,10 +483,12 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
             return dims
 
         _launch(kern._bwd_dkdv_kernel, kv_grid, kv_cfg, False,
-                q, k, v, dout, dk, dvb, dq, lse2, delta, pos, cnt, c["mask"], c["seed"],
+                q, k, v, dout, dk, dvb, dq, grads[1], grads[2], seen_kv, lse2, delta, pos, cnt,
+                c["mask"], c["seed"],
                 *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *c["mstrides"],
                 *pos.stride(), *cnt.stride(), hq, hkv, n, group, classes, *scalars,
-                STRIDED=strided, FIRST=first, ATOMIC_DQ=atomic, **common)
+                STRIDED=strided, FIRST=first, LAST=last, ONE_HEAD=group <= plan.dilation_rate,
+                ATOMIC_DQ=atomic, **common)
         if atomic:
             continue
 
@@ -458,8 +498,16 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
             return dims
 
         _launch(kern._bwd_dq_kernel, q_grid, q_cfg, True,
-                q, k, v, dout, dq, lse2, delta, pos, cnt, c["mask"], c["seed"],
+                q, k, v, dout, dq, grads[0], seen_q, lse2, delta, pos, cnt, c["mask"], c["seed"],
                 *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *c["mstrides"],
                 *pos.stride(), *cnt.stride(), hq, n, group, *scalars,
-                STRIDED=strided, FIRST=first, **common)
-    return dq.to(q.dtype), dk.to(k.dtype), dvb.to(v.dtype)
+                STRIDED=strided, FIRST=first, LAST=last, **common)
+    if not atomic and covers:
+        return tuple(grads)
+    if covers:
+        return dq.to(q.dtype), grads[1], grads[2]
+    # no branch has every row: rows none wrote are 0
+    seen_q, seen_kv = _seen_rows(order, hq, hkv, q.device)
+    dq = dq if atomic else torch.where(seen_q[:, :, None] != 0, dq, 0.0)
+    return (dq.to(q.dtype), torch.where(seen_kv[:, :, None] != 0, dk, 0.0).to(k.dtype),
+            torch.where(seen_kv[:, :, None] != 0, dvb, 0.0).to(v.dtype))

@@ -428,3 +428,45 @@ def test_shrunk_tiles_keep_the_walk_divisible(keep_divisible_m):
                     assert b % s == 0
                 cfg = nxt
             assert steps < 20
+
+
+class _PoisonedTorch:
+    """torch, except that torch.empty returns NaN-filled floating tensors: a kernel that reads a
+    buffer row nothing wrote then yields NaN instead of whatever the allocator left there."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+# Backward launch orders of the Triton lowering: an r == 1 branch last writing the inputs'
+# dtype after float32 sums of non-nested Hilbert sets; no r == 1 branch at all; a GQA group
+# larger than r (a dK/dV program loops over the heads of its offset class); and an r == 1
+# branch alone (no float32 buffer). N crosses the interpreter's 16- and 32-row tiles.
+TRITON_ORDERS = [
+    _cfg(N=45, segs=[8, 18, 40], rates=[1, 2, 4], B=1, Hq=4, Hkv=4, gqa=False, D=8),
+    _cfg(N=41, segs=[6, 24], rates=[2, 3], B=2, Hq=3, Hkv=3, gqa=False, causal=True),
+    _cfg(N=38, segs=[20, 12], rates=[2, 1], B=1, Hq=4, Hkv=1, mask=("bool", "BHNN", True)),
+    _cfg(N=35, segs=[16], rates=[1], B=1, Hq=2, Hkv=1),
+]
+
+
+@pytest.mark.parametrize("atomic_dq", ["0", "1"])
+@pytest.mark.parametrize("cfg", TRITON_ORDERS, ids=lambda c: f"N{c['N']}-{c['segs']}-{c['rates']}")
+def test_triton_backward_orders(cfg, atomic_dq, monkeypatch):
+    """The Triton lowering's backward adds each branch's share into float32 buffers that are
+    never zeroed, reading only rows an earlier launch wrote, and lets the r == 1 branch write
+    the final gradients: poisoned buffers show any read of a row nobody wrote."""
+    require_lowering("triton")
+    from lowering import triton_lowering
+    monkeypatch.setattr(triton_lowering, "torch", _PoisonedTorch())
+    monkeypatch.setenv("HILBERT_FX_TRITON_ATOMIC_DQ", atomic_dq)
+    out, ref, g_out, g_ref = run_both(cfg, lowering="triton")
+    assert_matches(out, ref, "out")
+    sc = common_scale(ref, *g_ref)
+    for name, a, b in zip("qkv", g_out, g_ref):
+        assert_matches(a, b, f"d{name}", scale=sc)

@@ -1,0 +1,86 @@
+"""Time variants of lowering/triton_kernels.py against each other, in one process, at N = 64K.
+
+    PYTHONPATH=. python scripts/explore_variants.py --variants DIR --out $OUT
+
+(scripts/variants/ is ignored by git: a place for such copies, carried to the GPU machine by hand.)
+
+Each *.py file in DIR is a whole copy of lowering/triton_kernels.py with one change; the
+lowering runs it in place of its own kernels (triton_lowering._kernels_module). Workloads: the
+issue-4 configuration (bf16, H=16, D=128, branches (2048,1) ... (16384,8), Hilbert on) forward
+and forward+backward, and the one-branch pattern (2048, 1) forward+backward; each variant twice,
+alternated, so that the spread between rounds shows the noise. A variant may be valid only for
+these shapes (every set a whole number of tiles): it is a measurement, not a candidate.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hilbert_fx.bench import _time  # noqa: E402
+from lowering import dilated_attention, triton_lowering  # noqa: E402
+
+SEGS, RATES = [2048, 4096, 8192, 16384], [1, 2, 4, 8]
+
+
+def load(path: str):
+    name = "variant_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--variants", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--n", type=int, default=65536)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--env", nargs="*", default=[""],
+                   help="tile settings to cross with the variants, e.g. HILBERT_FX_TRITON_DKDV=64,128,8,3")
+    args = p.parse_args()
+    n = args.n
+    variants = {os.path.basename(f): load(f) for f in sorted(glob.glob(os.path.join(args.variants, "*.py")))}
+    q, k, v = [torch.randn(1, 16, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3)]
+    work = {"4 branches fwd": (SEGS, RATES, True, False),
+            "4 branches fwd+bwd": (SEGS, RATES, True, True),
+            "(2048,1) fwd+bwd": ([2048], [1], False, True)}
+    lines = [f"{torch.cuda.get_device_name()}, N={n}, bf16, H=16, D=128; median ms"]
+    for rnd in range(args.rounds):
+        for env in args.env:
+            for name, mod in variants.items():
+                key, _, value = env.partition("=")
+                if key:
+                    os.environ[key] = value
+                triton_lowering._kernels_module = mod
+                triton_lowering._working_configs.clear()
+                cells = []
+                for label, (segs, rates, hilbert, backward) in work.items():
+                    try:
+                        ms = _time(lambda: dilated_attention(q, k, v, segs, rates, hilbert=hilbert,
+                                                             lowering="triton"), backward, [q, k, v])
+                    except Exception as e:  # reported, not fatal
+                        print(f"  {name} {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                        ms = float("nan")
+                    cells.append(f"{label} {ms:7.3f}")
+                if key:
+                    os.environ.pop(key)
+                line = f"#{rnd} {name:16s} {env:32s} " + "  ".join(cells)
+                print(line, flush=True)
+                lines.append(line)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "variants.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
