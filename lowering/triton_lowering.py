@@ -455,8 +455,8 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
     order, covers = _forward_order(plans)
     atomic = _use_atomic_dq()
     alone = covers and len(order) == 1  # FIRST and LAST: no float32 buffer at all
-    grads = [torch.empty(b, h, n, dim, dtype=q.dtype, device=q.device)
-             for h, dim in ((hq, d), (hkv, d), (hkv, dv))]
+    grads = [torch.empty((b, h, n, dim) if covers else (0,), dtype=q.dtype, device=q.device)
+             for h, dim in ((hq, d), (hkv, d), (hkv, dv))]  # written by the r == 1 branch
     dk, dvb, dq = grads[1:] + grads[:1] if alone else [
         torch.empty(b, h, n, dim, dtype=torch.float32, device=q.device)
         for h, dim in ((hkv, d), (hkv, dv), (hq, d))]
