@@ -430,8 +430,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, DKO, DVO, Seen, Lse2, Delta, Pos, 
     The query heads of kv head g = h // GROUP fall into classes by their offset h % R; a program
     takes one class, loops over its heads (ONE_HEAD: GROUP <= R, so a class is one head) and
     their query tiles, and adds dK, dV of its key rows into DK, DV (float32; a LAST branch
-    writes DKO, DVO in k's dtype instead, see _add_rows). Key
-    rows of different programs never overlap within a launch: no atomics, a deterministic sum.
+    writes DKO, DVO in k's dtype instead, see _add_rows). Key rows of different programs never
+    overlap within a launch: no atomics, a deterministic sum.
     """
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)
@@ -459,23 +459,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, DKO, DVO, Seen, Lse2, Delta, Pos, 
                    HEAD_DIM_V, BLOCK_DV, False, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    if ONE_HEAD:
+    # ONE_HEAD: a constant trip count of 1, which the compiler folds away (the loop's state
+    # held registers the tiles needed)
+    for i in range(0, 1 if ONE_HEAD else (GROUP - cls + R - 1) // R):
         dk, dv = _bwd_dkdv_head(
-            dk, dv, k, v, pos_n, offs_n, key_ok, start_n, count, h_first, b,
+            dk, dv, k, v, pos_n, offs_n, key_ok, start_n, count, h_first + i * R, b,
             Q, DO, DQ, Lse2, Delta, Mask, Seed, stride_qb, stride_qh, stride_qn, stride_qd,
             stride_dob, stride_doh, stride_don, stride_dod, stride_mb, stride_mh, stride_mq,
             stride_mk, H, N, Pos, set_base, stride_pm, first, R, qk_scale, scale,
             keep_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
             BLOCK_N, CAUSAL, STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
-    else:
-        for i in range(0, (GROUP - cls + R - 1) // R):
-            dk, dv = _bwd_dkdv_head(
-                dk, dv, k, v, pos_n, offs_n, key_ok, start_n, count, h_first + i * R, b,
-                Q, DO, DQ, Lse2, Delta, Mask, Seed, stride_qb, stride_qh, stride_qn, stride_qd,
-                stride_dob, stride_doh, stride_don, stride_dod, stride_mb, stride_mh, stride_mq,
-                stride_mk, H, N, Pos, set_base, stride_pm, first, R, qk_scale, scale,
-                keep_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-                BLOCK_N, CAUSAL, STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
     rows = bg.to(tl.int64) * N + pos_n  # DK, DV, DKO, DVO: contiguous [B, HKV, N, *]
     _add_rows(dk * scale, DK, DKO, Seen, g64 * N, rows, pos_n, key_ok, HEAD_DIM, BLOCK_D,
               FIRST, LAST)
