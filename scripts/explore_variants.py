@@ -10,6 +10,8 @@ issue-4 configuration (bf16, H=16, D=128, branches (2048,1) ... (16384,8), Hilbe
 and forward+backward, and the one-branch pattern (2048, 1) forward+backward; each variant twice,
 alternated, so that the spread between rounds shows the noise. A variant may be valid only for
 these shapes (every set a whole number of tiles): it is a measurement, not a candidate.
+First, every variant's output and gradients are compared with the kernels in lowering/, and
+the floor (cuDNN on the gathered sets) is timed for each workload.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hilbert_fx.bench import _time  # noqa: E402
+from hilbert_fx.bench import _floor_fn, _time  # noqa: E402
 from lowering import dilated_attention, triton_lowering  # noqa: E402
 
 SEGS, RATES = [2048, 4096, 8192, 16384], [1, 2, 4, 8]
@@ -46,6 +48,7 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--env", nargs="*", default=[""],
                    help="tile settings to cross with the variants, e.g. HILBERT_FX_TRITON_DKDV=64,128,8,3")
+    p.add_argument("--work", nargs="*", default=None, help="workload names (default: all)")
     args = p.parse_args()
     n = args.n
     variants = {os.path.basename(f): load(f) for f in sorted(glob.glob(os.path.join(args.variants, "*.py")))}
@@ -53,8 +56,35 @@ def main():
                for _ in range(3)]
     work = {"4 branches fwd": (SEGS, RATES, True, False),
             "4 branches fwd+bwd": (SEGS, RATES, True, True),
+            "identity fwd": (SEGS, RATES, False, False),
+            "identity fwd+bwd": (SEGS, RATES, False, True),
+            "(2048,1) fwd": ([2048], [1], False, False),
             "(2048,1) fwd+bwd": ([2048], [1], False, True)}
+    work = {key: work[key] for key in args.work} if args.work else work
     lines = [f"{torch.cuda.get_device_name()}, N={n}, bf16, H=16, D=128; median ms"]
+    # every variant against the kernels in lowering/: outputs and gradients, both orders
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    do = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen)
+    for hilbert in (False, True):
+        results = {}
+        for name, mod in [("lowering", triton_lowering._kernels())] + list(variants.items()):
+            triton_lowering._kernels_module = mod
+            triton_lowering._working_configs.clear()
+            out = dilated_attention(q, k, v, SEGS, RATES, hilbert=hilbert, lowering="triton")
+            grads = torch.autograd.grad(out, (q, k, v), do)
+            results[name] = [out.float()] + [g.float() for g in grads]
+        ref = results.pop("lowering")
+        for name, res in results.items():
+            diff = ", ".join(f"{t} {(a - b).abs().max().item():.2e}" for t, a, b in zip("o q k v".split(), res, ref))
+            line = f"hilbert={hilbert} {name}: max |variant - lowering/|: {diff}"
+            print(line, flush=True)
+            lines.append(line)
+    for label, (segs, rates, hilbert, backward) in work.items():  # cuDNN on gathered sets
+        fn, blocks = _floor_fn(q, k, v, segs, rates, hilbert, False)
+        line = f"floor {label}: {_time(fn, backward, [t for blk in blocks for t in blk]):7.3f}"
+        print(line, flush=True)
+        lines.append(line)
+        del fn, blocks
     for rnd in range(args.rounds):
         for env in args.env:
             for name, mod in variants.items():
