@@ -6,8 +6,9 @@
 
 Each *.py file in DIR is a whole copy of lowering/triton_kernels.py with one change; the
 lowering runs it in place of its own kernels (triton_lowering._kernels_module). Workloads: the
-issue-4 configuration (bf16, H=16, D=128, branches (2048,1) ... (16384,8), Hilbert on) forward
-and forward+backward, and the one-branch pattern (2048, 1) forward+backward; each variant twice,
+issue-4 configuration (bf16, H=16, D=128, branches (2048,1) ... (16384,8)) in the Hilbert and
+the identity order, and the one-branch pattern (2048, 1), each forward and forward+backward
+(--work picks some); each variant twice,
 alternated, so that the spread between rounds shows the noise. A variant may be valid only for
 these shapes (every set a whole number of tiles): it is a measurement, not a candidate.
 First, every variant's output and gradients are compared with the kernels in lowering/, and
