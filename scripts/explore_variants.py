@@ -66,9 +66,10 @@ def main():
     # every variant against the kernels in lowering/: outputs and gradients, both orders
     gen = torch.Generator(device="cuda").manual_seed(0)
     do = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen)
+    own = triton_lowering._kernels()  # lowering/triton_kernels.py, before any variant is set
     for hilbert in (False, True):
         results = {}
-        for name, mod in [("lowering", triton_lowering._kernels())] + list(variants.items()):
+        for name, mod in [("lowering", own)] + list(variants.items()):
             triton_lowering._kernels_module = mod
             triton_lowering._working_configs.clear()
             out = dilated_attention(q, k, v, SEGS, RATES, hilbert=hilbert, lowering="triton")
