@@ -390,14 +390,21 @@ def _bwd_dkdv_head(dk, dv, k, v, pos_n, offs_n, key_ok, start_n, count, h, b,
 
 
 @triton.jit
-def _add_rows(acc, Buf, Final, Seen, seen_base, rows, pos, row_ok, DIM: tl.constexpr,
-              BLOCK: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
-    """The epilogue of a backward program: acc (float32 rows `rows` of a [.., DIM] gradient)
-    plus what the branches launched before left in Buf (float32), stored to Buf, or when LAST
-    to Final in its own dtype. Buf is never zeroed: unless FIRST, a program reads it only at
-    rows an earlier branch wrote, Seen[seen_base + pos] != 0."""
+def _add_rows(acc, Buf, Final, Seen, seen_base, head_row, pos, row_ok, DIM: tl.constexpr,
+              BLOCK: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, WIDE: tl.constexpr):
+    """The epilogue of a backward program: acc (float32 rows `pos` of one head of a [.., N, DIM]
+    gradient whose first row is head_row) plus what the branches launched before left in Buf
+    (float32), stored to Buf, or when LAST to Final in its own dtype. Buf is never zeroed:
+    unless FIRST, a program reads it only at rows an earlier branch wrote, Seen[seen_base + pos]
+    != 0. Offsets within the head are int32 unless WIDE (N * BLOCK >= 2**31): int64 pointers to
+    every element spilled registers here."""
     offs = tl.arange(0, BLOCK)
-    off = rows[:, None] * DIM + offs[None, :]
+    Buf = Buf + head_row * DIM
+    Final = Final + head_row * DIM
+    if WIDE:
+        off = pos.to(tl.int64)[:, None] * DIM + offs[None, :]
+    else:
+        off = pos[:, None] * DIM + offs[None, :]
     ok = row_ok[:, None] & (offs[None, :] < DIM)
     if not FIRST:
         seen = tl.load(Seen + seen_base + pos, mask=row_ok, other=0)
@@ -424,7 +431,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, DKO, DVO, Seen, Lse2, Delta, Pos, 
                      STRIDED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                      DROPOUT: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
                      ONE_HEAD: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                     UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr):
     """One branch, one program per (key tile, batch * kv head * offset class, segment).
 
     The query heads of kv head g = h // GROUP fall into classes by their offset h % R; a program
@@ -469,10 +476,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, DKO, DVO, Seen, Lse2, Delta, Pos, 
             stride_mk, H, N, Pos, set_base, stride_pm, first, R, qk_scale, scale,
             keep_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
             BLOCK_N, CAUSAL, STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
-    rows = bg.to(tl.int64) * N + pos_n  # DK, DV, DKO, DVO: contiguous [B, HKV, N, *]
-    _add_rows(dk * scale, DK, DKO, Seen, g64 * N, rows, pos_n, key_ok, HEAD_DIM, BLOCK_D,
-              FIRST, LAST)
-    _add_rows(dv, DV, DVO, Seen, g64 * N, rows, pos_n, key_ok, HEAD_DIM_V, BLOCK_DV, FIRST, LAST)
+    head_row = bg.to(tl.int64) * N  # DK, DV, DKO, DVO: contiguous [B, HKV, N, *]
+    _add_rows(dk * scale, DK, DKO, Seen, g64 * N, head_row, pos_n, key_ok, HEAD_DIM, BLOCK_D,
+              FIRST, LAST, WIDE)
+    _add_rows(dv, DV, DVO, Seen, g64 * N, head_row, pos_n, key_ok, HEAD_DIM_V, BLOCK_DV, FIRST,
+              LAST, WIDE)
 
 
 @triton.jit
@@ -529,7 +537,7 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, DQO, Seen, Lse2, Delta, Pos, Cnt, Mask, Seed
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    STRIDED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                    DROPOUT: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr):
     """One branch, one program per (query tile, batch * head, segment): adds dQ of its rows into
     DQ (float32; a LAST branch writes DQO in q's dtype instead, see _add_rows)."""
     bh, b, h, count, start_m, first, set_base, offs_m, row_ok, pos_m = _query_tile(
@@ -574,5 +582,5 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, DQO, Seen, Lse2, Delta, Pos, Cnt, Mask, Seed
                        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, CAUSAL, STRIDED,
                        MASK_KIND, DROPOUT, UPCAST, PRECISION)
     # DQ, DQO: contiguous [B, H, N, D]
-    _add_rows(dq * scale, DQ, DQO, Seen, h64 * N, rows, pos_m, row_ok, HEAD_DIM, BLOCK_D, FIRST,
-              LAST)
+    _add_rows(dq * scale, DQ, DQO, Seen, h64 * N, bh.to(tl.int64) * N, pos_m, row_ok, HEAD_DIM,
+              BLOCK_D, FIRST, LAST, WIDE)

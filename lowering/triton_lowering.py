@@ -290,6 +290,11 @@ def _precision(dtype: torch.dtype, interpreted: bool, upcast: bool) -> str:
     return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
+# The backward's epilogues address a head's gradient rows with int32 offsets (fewer spilled
+# registers: forward+backward 0.1 to 1.7% faster on an H200 at N = 64K in two runs of three and
+# two rounds, BENCHMARKS.md) unless N * BLOCK_D reaches this; tests lower it to run the int64 path.
+INT32_OFFSET_LIMIT = 2**31
+
 POSITION_PAD = 256  # the largest BLOCK_M / BLOCK_N: a tile past a set's last may be prefetched
 
 
@@ -465,7 +470,8 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
         dq = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
     common = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=c["block_d"], BLOCK_DV=c["block_dv"],
                   CAUSAL=bool(is_causal), MASK_KIND=c["mask_kind"], DROPOUT=c["dropout"],
-                  UPCAST=c["upcast"], PRECISION=c["precision"])
+                  UPCAST=c["upcast"], PRECISION=c["precision"],
+                  WIDE=n * max(c["block_d"], c["block_dv"]) >= INT32_OFFSET_LIMIT)
     kv_cfg = tile_config("dkdv", q.device, q.dtype, d, interpreted, c["mask_kind"] != 0)
     q_cfg = tile_config("dq", q.device, q.dtype, d, interpreted, c["mask_kind"] != 0)
     group = c["group"]

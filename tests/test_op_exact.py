@@ -470,3 +470,18 @@ def test_triton_backward_orders(cfg, atomic_dq, monkeypatch):
     sc = common_scale(ref, *g_ref)
     for name, a, b in zip("qkv", g_out, g_ref):
         assert_matches(a, b, f"d{name}", scale=sc)
+
+
+@pytest.mark.parametrize("cfg", TRITON_ORDERS, ids=lambda c: f"N{c['N']}-{c['segs']}-{c['rates']}")
+def test_triton_backward_int64_offsets(cfg, monkeypatch):
+    """The backward's epilogues address gradient rows with int32 offsets within a head unless
+    N * BLOCK_D reaches 2**31 (WIDE); lowering the limit runs the int64 path on small shapes."""
+    require_lowering("triton")
+    from lowering import triton_lowering
+    monkeypatch.setattr(triton_lowering, "torch", _PoisonedTorch())
+    monkeypatch.setattr(triton_lowering, "INT32_OFFSET_LIMIT", 1)
+    monkeypatch.setenv("HILBERT_FX_TRITON_ATOMIC_DQ", "0")
+    out, ref, g_out, g_ref = run_both(cfg, lowering="triton")
+    sc = common_scale(ref, *g_ref)
+    for name, a, b in zip("qkv", g_out, g_ref):
+        assert_matches(a, b, f"d{name}", scale=sc)
