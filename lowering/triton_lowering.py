@@ -39,6 +39,12 @@ Setting HILBERT_FX_TRITON_ATOMIC_DQ=1 folds dQ into the dK/dV kernel with float3
 (saves recomputing S and dP, not deterministic); HILBERT_FX_DETERMINISTIC=1 or
 torch.use_deterministic_algorithms(True) turn that off again.
 
+On Hopper (compute capability 9.x) a branch whose sets are reached by strides runs instead on
+lowering/gluon_kernels.py, FlashAttention-3's warp-specialised schedule written in Gluon, which
+merges into the same (acc, lse) (lowering/gluon_forward.py says when: not causal, no mask, no
+dropout, whole sets, head dims 64 and 128, 16-bit types). On an H200 at N = 64K it runs the
+identity order's forward at the floor's speed, 3.60 against 3.60 ms (BENCHMARKS.md).
+
 CPU tensors run the same kernels under the Triton interpreter (SPEC section 3). Triton decides
 between interpreter and compiler when `triton` is first imported; importing this module without
 a CUDA device sets TRITON_INTERPRET=1 first when triton is not imported yet.
@@ -55,6 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import gluon_forward
 from .dropout import keep_threshold
 from .plans import BranchPlan
 
@@ -411,8 +418,12 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
     kern = _kernels()
     cfg = tile_config("fwd", q.device, q.dtype, c["d"], c["interpreted"], c["mask_kind"] != 0)
     for i, plan in enumerate(order):
-        pos, cnt, strided = _plan_tensors(plan, q.device)
         last = covers and i == len(order) - 1
+        if gluon_forward.unsupported(q, k, v, plan, is_causal=is_causal, mask_kind=c["mask_kind"],
+                                     dropout=c["dropout"], scale=scale) is None:
+            gluon_forward.launch(q, k, v, out, acc, lse, plan, scale=scale, first=i == 0, last=last)
+            continue
+        pos, cnt, strided = _plan_tensors(plan, q.device)
 
         def grid(cfg, plan=plan):
             dims = (_cdiv(plan.set_size, cfg.block_m), b * hq, plan.num_segments)

@@ -131,7 +131,8 @@ def main():
                 row(f"D=128 hilbert={hilbert} {'fwd+bwd' if backward else 'fwd'}", 128, hilbert,
                     backward, {}, fl[128, backward])
     if "d64" in args.groups:
-        for cfg in ("", "128,128,4,3", "128,64,4,3", "128,128,4,3", "128,128,4,2"):
+        for cfg in ("", "128,128,8,3", "256,64,8,2", "256,64,8,3", "128,64,8,3", "64,64,4,3",
+                    "", "128,128,8,3", "256,64,8,2", "256,64,8,3"):
             row(f"D=64 hilbert fwd tiles {cfg or 'default'}", 64, True, False,
                 {"HILBERT_FX_TRITON_FWD": cfg} if cfg else {}, fl[64, False])
     if "bwd" in args.groups:

@@ -6,7 +6,7 @@
 
 Each *.py file in DIR is a whole copy of lowering/triton_kernels.py with one change; the
 lowering runs it in place of its own kernels (triton_lowering._kernels_module). Workloads: the
-issue-4 configuration (bf16, H=16, D=128, branches (2048,1) ... (16384,8)) in the Hilbert and
+issue-4 configuration (bf16, H=16, D=128 or --head-dim, branches (2048,1) ... (16384,8)) in the Hilbert and
 the identity order, and the one-branch pattern (2048, 1), each forward and forward+backward
 (--work picks some); each variant twice,
 alternated, so that the spread between rounds shows the noise. A variant may be valid only for
@@ -47,13 +47,14 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--n", type=int, default=65536)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--env", nargs="*", default=[""],
                    help="tile settings to cross with the variants, e.g. HILBERT_FX_TRITON_DKDV=64,128,8,3")
     p.add_argument("--work", nargs="*", default=None, help="workload names (default: all)")
     args = p.parse_args()
     n = args.n
     variants = {os.path.basename(f): load(f) for f in sorted(glob.glob(os.path.join(args.variants, "*.py")))}
-    q, k, v = [torch.randn(1, 16, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = [torch.randn(1, 16, n, args.head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3)]
     work = {"4 branches fwd": (SEGS, RATES, True, False),
             "4 branches fwd+bwd": (SEGS, RATES, True, True),
@@ -62,7 +63,7 @@ def main():
             "(2048,1) fwd": ([2048], [1], False, False),
             "(2048,1) fwd+bwd": ([2048], [1], False, True)}
     work = {key: work[key] for key in args.work} if args.work else work
-    lines = [f"{torch.cuda.get_device_name()}, N={n}, bf16, H=16, D=128; median ms"]
+    lines = [f"{torch.cuda.get_device_name()}, N={n}, bf16, H=16, D={args.head_dim}; median ms"]
     # every variant against the kernels in lowering/: outputs and gradients, both orders
     gen = torch.Generator(device="cuda").manual_seed(0)
     do = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen)

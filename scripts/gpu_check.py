@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import os
 import sys
 
@@ -31,6 +32,11 @@ CASES = [
     ("float mask", 1, 2, 2, 200, 32, ((50, 1), (100, 5)), False, False, "float"),
     ("D=256 causal", 1, 2, 2, 190, 256, ((64, 1), (128, 2)), True, True, None),
     ("dropout", 1, 2, 2, 130, 64, ((32, 1), (64, 2)), True, True, "dropout"),
+    # whole sets of multiples of 128 rows: the Hopper forward (lowering/gluon_kernels.py) on sm_90
+    ("hopper 3 branches", 1, 4, 4, 2048, 128, ((256, 1), (512, 2), (1024, 4)), False, False, None),
+    ("hopper hilbert GQA", 2, 8, 2, 1024, 64, ((256, 1), (512, 2)), True, False, None),
+    ("hopper transposed", 1, 4, 2, 1024, 128, ((512, 4), (1024, 8)), False, False, None),
+    ("hopper one branch", 1, 2, 2, 512, 64, ((512, 1),), True, False, None),
 ]
 
 
@@ -42,9 +48,13 @@ def run_case(case, lowering_name, dtype, device):
     name, b, hq, hkv, n, d, branches, hilbert, causal, mask_kind = case
     w = [x[0] for x in branches]
     r = [x[1] for x in branches]
-    q = torch.randn(b, hq, n, d, device=device, dtype=dtype)
-    k = torch.randn(b, hkv, n, d, device=device, dtype=dtype)
-    v = torch.randn(b, hkv, n, d, device=device, dtype=dtype)
+    if "transposed" in name:  # [B, N, H, D] seen as [B, H, N, D], as models hand them over
+        q, k, v = (torch.randn(b, n, h, d, device=device, dtype=dtype).transpose(1, 2)
+                   for h in (hq, hkv, hkv))
+    else:
+        q = torch.randn(b, hq, n, d, device=device, dtype=dtype)
+        k = torch.randn(b, hkv, n, d, device=device, dtype=dtype)
+        v = torch.randn(b, hkv, n, d, device=device, dtype=dtype)
     mask = None
     if mask_kind == "bool":
         mask = torch.rand(b, 1, n, n, device=device) > 0.3
@@ -52,7 +62,7 @@ def run_case(case, lowering_name, dtype, device):
     elif mask_kind == "float":
         mask = torch.randn(n, n, device=device, dtype=dtype)
     dropout_p = 0.3 if mask_kind == "dropout" else 0.0
-    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))  # keeps the layout
     torch.manual_seed(7)
     out = lowering.dilated_attention(qs, ks, vs, w, r, hilbert=hilbert, is_causal=causal,
                                      attn_mask=mask if mask_kind in ("bool", "float") else None,
@@ -87,6 +97,10 @@ def main():
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
     device = args.device
+    # which forward kernel ran each branch (lowering/gluon_forward.py logs it once per reason)
+    kernel_log = logging.getLogger("hilbert_fx.lowering")
+    kernel_log.setLevel(logging.DEBUG)
+    kernel_log.addHandler(logging.StreamHandler(sys.stdout))
     torch.manual_seed(0)
     name = torch.cuda.get_device_properties(0).name if device == "cuda" else "cpu"
     lines = [f"device: {name}, torch {torch.__version__}",

@@ -11,7 +11,7 @@ for s in $STEPS; do
   case $s in
     check) mkdir -p $OUT/f32 $OUT/bf16  # the two dtypes compile in parallel
        timeout 300 python3 scripts/gpu_check.py --lowerings triton --dtypes float32 --out $OUT/f32 > /tmp/f32.log 2>&1 &
-       timeout 300 python3 scripts/gpu_check.py --lowerings triton --dtypes bfloat16 --out $OUT/bf16 > /tmp/bf16.log 2>&1; wait
+       timeout 300 python3 scripts/gpu_check.py --lowerings triton --dtypes bfloat16 float16 --out $OUT/bf16 > /tmp/bf16.log 2>&1; wait
        cat /tmp/f32.log /tmp/bf16.log ;;
     main) timeout 540 $B --seq-lens 16384 65536 --mode both --methods floor triton sdpa dense flex --max-len flex=16384 --out $OUT ;;
     scale) mkdir -p /tmp/scale; timeout 300 $B --seq-lens 16384 65536 262144 1048576 --mode fwd --methods floor triton --out /tmp/scale; cat /tmp/scale/bench.md ;;

@@ -1,0 +1,126 @@
+"""When the Hopper forward kernel (lowering/gluon_kernels.py) runs a branch, and its launch.
+
+lowering/triton_lowering.py's forward asks `unsupported(...)` for each branch: None means the
+branch runs here, a string says why it runs on lowering/triton_kernels.py instead (logged once
+per reason on the "hilbert_fx.lowering" logger, which TORCH_LOGS="hilbert_fx" shows). Both
+kernels merge their branches the same way (float32 Acc and Lse), so one call may mix them.
+
+It runs on compute capability 9.x with a Triton whose Gluon has the Hopper API used here
+(Triton 3.6), for float16 and bfloat16, head dims 64 and 128 (v's the same), not causal, no
+mask, no dropout, a scale >= 0, sets reached by strides (the identity order, or r == 1 in any
+order) and whole (N % w == 0, w / r a multiple of 128), and q, k, v each contiguous or a
+[B, N, H, D] tensor transposed. HILBERT_FX_GLUON=0 turns it off.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("hilbert_fx.lowering")
+
+LOG2E = 1.4426950408889634
+CTA_ROWS = 128  # two consumers of BLOCK_M = 64 query rows
+BLOCK_N = 128
+_TILES = {64: dict(BLOCK_M=64, BLOCK_N=BLOCK_N, STAGES=3), 128: dict(BLOCK_M=64, BLOCK_N=BLOCK_N, STAGES=2)}
+_REGS = dict(PRODUCER_REGS=24, CONSUMER_REGS=240, num_warps=4)
+
+_kernels = None
+_import_error: str | None = None
+
+
+def _load():
+    """lowering/gluon_kernels.py, imported on first use; None (and the reason kept) if it cannot be."""
+    global _kernels, _import_error
+    if _kernels is None and _import_error is None:
+        try:
+            from . import gluon_kernels
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+            _kernels = gluon_kernels
+        except Exception as e:  # noqa: BLE001 - any Triton without this Gluon API
+            _import_error = f"Triton's Gluon lacks the Hopper API this kernel uses ({type(e).__name__}: {e})"
+    return _kernels
+
+
+def _view(x: torch.Tensor, r: int):
+    """(2-D view [rows, r * row_length], RB, RH, CH, CO) of x [B, Hx, N, D], or None: member m of
+    set j of head hx, offset o, is row b*RB + hx*RH + j*(w/r) + m, columns o*CO + hx*CH + [0, D)."""
+    b, hx, n, d = x.shape
+    if x.is_contiguous():
+        return x.view(b * hx * n // r, r * d), hx * n // r, n // r, 0, d
+    if x.transpose(1, 2).is_contiguous():  # [B, N, H, D] seen as [B, H, N, D]
+        return x.transpose(1, 2).reshape(b * n // r, r * hx * d), n // r, 0, d, hx * d
+    return None
+
+
+_logged: set = set()
+
+
+def _note(reason: str | None, plan) -> str | None:
+    key = (reason, plan.segment_length, plan.dilation_rate)
+    if key not in _logged and len(_logged) < 256:
+        _logged.add(key)
+        where = f"branch ({plan.segment_length}, {plan.dilation_rate})"
+        if reason is None:
+            log.debug("%s forward: Hopper kernel (Gluon)", where)
+        else:
+            log.debug("%s forward: Triton kernel, not the Hopper one: %s", where, reason)
+    return reason
+
+
+def unsupported(q, k, v, plan, *, is_causal: bool, mask_kind: int, dropout: bool,
+                scale: float) -> str | None:
+    """None when the Hopper kernel can run this branch, else why not."""
+    return _note(_unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale), plan)
+
+
+def _unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale) -> str | None:
+    if os.environ.get("HILBERT_FX_GLUON", "1") in ("0", ""):
+        return "HILBERT_FX_GLUON=0"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "not a compute capability 9.x GPU"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype}"
+    d = q.shape[-1]
+    if d not in _TILES or k.shape[-1] != d or v.shape[-1] != d:
+        return f"head dims {d}/{v.shape[-1]} (runs 64 and 128, v's equal to q's)"
+    if is_causal or mask_kind or dropout:
+        return "causal, masked or dropout"
+    if scale < 0:
+        return "negative scale"
+    if not plan.is_strided:
+        return "sets reached through positions (Hilbert order, r > 1)"
+    n, w, r = plan.seq_len, plan.segment_length, plan.dilation_rate
+    if n % w or (w // r) % CTA_ROWS:
+        return f"partial sets (N % w != 0 or w / r not a multiple of {CTA_ROWS})"
+    if n // w > 65535 or q.shape[0] * q.shape[1] > 65535:
+        return "grid too large (segments or batch * heads over 65535)"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if _view(x, r) is None or x.data_ptr() % 16:
+            return f"{name}'s layout (neither contiguous nor [B, N, H, D] transposed, or unaligned)"
+    if _load() is None:
+        return _import_error
+    return None
+
+
+def launch(q, k, v, out, acc, lse, plan, *, scale: float, first: bool, last: bool) -> None:
+    """One branch into (out, acc, lse) as lowering/triton_kernels.py's _fwd_kernel would; out and
+    acc contiguous [B, H, N, D], lse contiguous [B, H, N]."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon import language as gl
+    kern = _load()
+    b, hq, n, d = q.shape
+    w, r = plan.segment_length, plan.dilation_rate
+    tiles = _TILES[d]
+    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    descs, coords = [], []
+    for x, rows in ((q, tiles["BLOCK_M"]), (k, tiles["BLOCK_N"]), (v, tiles["BLOCK_N"])):
+        view, *row_col = _view(x, r)
+        block = [rows, d]
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+        descs.append(TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout))
+        coords += row_col
+    grid = ((w // r) // CTA_ROWS, n // w, b * hq)
+    kern._fwd_kernel[grid](*descs, out, acc, lse, scale * LOG2E, hq, n, hq // k.shape[1], r, w,
+                           *coords, FIRST=first, LAST=last, HEAD_D=d, **tiles, **_REGS)

@@ -1,0 +1,208 @@
+"""The Hopper forward kernel, in Gluon: FlashAttention-3's schedule for one branch (w, r) per launch.
+
+lowering/gluon_forward.py decides when it runs and launches it; everything else runs
+lowering/triton_kernels.py. Written for Triton 3.6's Gluon (triton.experimental.gluon) on sm_90.
+
+One CTA covers 128 query rows of one selected set (two tiles of 64, one per consumer):
+
+- a producer warp copies the CTA's q rows once, then the key and value tiles of the set into
+  rings of STAGES shared-memory slots, by TMA, each slot guarded by a `ready` and an `empty`
+  mbarrier;
+- two consumer partitions of one warpgroup each run the online softmax over the set for their
+  64 rows: S = q k^T and O += P v by asynchronous wgmma (P from registers), with the product
+  S(t) = q k(t)^T and O += P(t-1) v(t-1) in flight together while the softmax of tile t waits
+  only for S(t) (FlashAttention-3's overlap inside a warpgroup); the two consumers overlap each
+  other's softmax with their products.
+
+The sets are reached by TMA boxes, with no copy: the rows of a set are strided (identity order,
+or any order when r == 1), and a [B, H, N, D] tensor of either layout the op sees (contiguous,
+or [B, N, H, D] transposed) read as 2-D [rows, r * row_length] makes the set's members one
+column block of consecutive rows (gluon_forward._view). Row and column of member m of set j of
+head `hx` (offset o = h % r): row = b * RB + hx * RH + j * (w / r) + m, column = o * CO + hx * CH.
+
+The end of a program merges its rows into the result of the branches launched before, exactly
+as lowering/triton_kernels.py's _fwd_kernel does: by log-sum-exp in float32 through
+(Acc [B, H, N, D] float32, Lse [B, H, N]) unless FIRST; a LAST branch writes Out in q's dtype.
+Every set is full (N % w == 0), scores are finite and the scale is not negative: no masks.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+CONSUMERS = gl.constexpr(2)  # consumer partitions of one warpgroup each; a CTA covers CONSUMERS * BLOCK_M rows
+
+
+@gluon.constexpr_function
+def _mma_layout(num_warps, n):
+    """wgmma's accumulator layout for a [*, n] tile over num_warps warps (16 rows a warp)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+              v_empty, q_row, q_col, k_row, k_col, v_row, v_col, n_tiles,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the q rows of both consumers, then key and value tiles into their rings."""
+    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+    for i in gl.static_range(CONSUMERS):
+        tma.async_copy_global_to_shared(q_desc, [q_row + i * BLOCK_M, q_col], q_bar, q_smem.index(i))
+    for t in range(n_tiles):
+        slot = t % STAGES
+        phase = ((t // STAGES) & 1) ^ 1  # the first round finds every slot free
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + t * BLOCK_N, k_col], k_ready.index(slot),
+                                        k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [v_row + t * BLOCK_N, v_col], v_ready.index(slot),
+                                        v_smem.index(slot))
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale):
+    """Online softmax in base 2 over raw products s (every one finite, qk_scale >= 0)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _merge_rows(acc, m_i, l_i, Out, Acc, Lse, first_row, R,
+                HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.constexpr,
+                FIRST: gl.constexpr, LAST: gl.constexpr):
+    """This branch's rows (o = acc / l, lse) merged into the branches' before: rows
+    first_row + i * R of the flat [B * H * N] row index of Out, Acc and Lse. Loads and stores
+    stay in wgmma's layout (each thread's pairs of columns fill whole 32-byte sectors)."""
+    layout: gl.constexpr = _mma_layout(NW, HEAD_D)
+    rows_l: gl.constexpr = gl.SliceLayout(1, layout)
+    cols_l: gl.constexpr = gl.SliceLayout(0, layout)
+    l_r = gl.convert_layout(l_i, rows_l)
+    lse = (gl.convert_layout(m_i, rows_l) + gl.log2(l_r)) * 0.6931471805599453
+    o = acc * gl.expand_dims(1.0 / l_r, 1)
+    rows = first_row + gl.arange(0, BLOCK_M, layout=rows_l).to(gl.int64) * R
+    offs = gl.expand_dims(rows * HEAD_D, 1) + gl.expand_dims(gl.arange(0, HEAD_D, layout=cols_l), 0)
+    if not FIRST:
+        old = gl.load(Lse + rows)  # -inf where no branch before selected the row
+        top = gl.maximum(old, lse)  # finite: lse is
+        w_old = gl.exp(old - top)
+        w_new = gl.exp(lse - top)
+        total = w_old + w_new
+        seen = gl.expand_dims(old > float("-inf"), 1) & (offs >= 0)
+        prev = gl.load(Acc + offs, mask=seen, other=0.0)
+        o = prev * gl.expand_dims(w_old / total, 1) + o * gl.expand_dims(w_new / total, 1)
+        lse = top + gl.log(total)
+    if LAST:
+        gl.store(Out + offs, o.to(Out.dtype.element_ty))
+    else:
+        gl.store(Acc + offs, o)
+    gl.store(Lse + rows, lse)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc, Lse,
+              qk_scale, first_row, R, n_tiles,
+              CID: gl.constexpr, NW: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_D: gl.constexpr, STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr):
+    """Rows CID * BLOCK_M ... of the CTA's query tile, over every key tile of the set."""
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = _mma_layout(NW, BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(NW, HEAD_D)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_tile = q_smem.index(CID)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.full([BLOCK_M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(q_bar, 0)
+
+    mbarrier.wait(k_ready.index(0), 0)
+    s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+    p16 = gl.convert_layout(p.to(dtype), p_layout)
+    for t in range(1, n_tiles):  # S(t) and P(t-1) v(t-1) in flight; then the softmax of t
+        slot = t % STAGES
+        prev = (t - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
+        s_tok = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        acc_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+        acc, p16_used = warpgroup_mma_wait(0, deps=(acc_tok, p16))  # p16 stays live until read
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
+    last = (n_tiles - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    acc_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
+    acc, p16_used = warpgroup_mma_wait(0, deps=(acc_tok, p16))
+    mbarrier.arrive(v_empty.index(last), count=1)
+    _merge_rows(acc, m_i, l_i, Out, Acc, Lse, first_row + CID * BLOCK_M * R, R,
+                HEAD_D, BLOCK_M, NW, FIRST, LAST)
+
+
+@gluon.jit
+def _fwd_kernel(q_desc, k_desc, v_desc, Out, Acc, Lse, qk_scale,
+                H, N, GROUP, R, W,
+                QRB, QRH, QCH, QCO, KRB, KRH, KCH, KCO, VRB, VRH, VCH, VCO,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
+                PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                num_warps: gl.constexpr):
+    """Grid (set length / (2 * BLOCK_M), segments, B * H): the query tile runs fastest, so the
+    CTAs of one set run together and share its keys and values in L2."""
+    dtype: gl.constexpr = q_desc.dtype
+    tile = gl.program_id(0)
+    seg = gl.program_id(1)
+    bh = gl.program_id(2)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    off = h % R
+    set_len = W // R
+    member = seg * set_len  # rows of the set's first member in the 2-D views
+    q_first = tile * (CONSUMERS * BLOCK_M)
+    q_row = b * QRB + h * QRH + member + q_first
+    k_row = b * KRB + hk * KRH + member
+    v_row = b * VRB + hk * VRH + member
+    first_row = bh.to(gl.int64) * N + seg * W + off + q_first * R  # Out, Acc, Lse: [B, H, N]
+
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    fence_async_shared()
+
+    n_tiles = set_len // BLOCK_N
+    # Triton 3.6: the argument tuples must be written inline (a tuple held in a variable turns
+    # its constexprs into tensors).
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc,
+                     Lse, qk_scale, first_row, R, n_tiles, 0, num_warps, BLOCK_M, BLOCK_N, HEAD_D,
+                     STAGES, FIRST, LAST)),
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc,
+                     Lse, qk_scale, first_row, R, n_tiles, 1, num_warps, BLOCK_M, BLOCK_N, HEAD_D,
+                     STAGES, FIRST, LAST)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                     v_ready, v_empty, q_row, off * QCO + h * QCH, k_row, off * KCO + hk * KCH,
+                     v_row, off * VCO + hk * VCH, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
+    ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
