@@ -7,9 +7,10 @@ kernels merge their branches the same way (float32 Acc and Lse), so one call may
 
 It runs on compute capability 9.x with a Triton whose Gluon has the Hopper API used here
 (Triton 3.6), for float16 and bfloat16, head dims 64 and 128 (v's the same), not causal, no
-mask, no dropout, a scale >= 0, sets reached by strides (the identity order, or r == 1 in any
-order) and whole (N % w == 0, w / r a multiple of 128), and q, k, v each contiguous or a
-[B, N, H, D] tensor transposed. HILBERT_FX_GLUON=0 turns it off.
+mask, no dropout, a scale >= 0, whole sets (N % w == 0, w / r a multiple of 128), and q, k, v
+each contiguous or a [B, N, H, D] tensor transposed. Sets reached by strides (the identity
+order, or r == 1 in any order) are read by TMA, the Hilbert order's others by cp.async through
+the plan's positions. HILBERT_FX_GLUON=0 turns it off.
 """
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ LOG2E = 1.4426950408889634
 CTA_ROWS = 128  # two consumers of BLOCK_M = 64 query rows
 BLOCK_N = 128
 _TILES = {64: dict(BLOCK_M=64, BLOCK_N=BLOCK_N, STAGES=3), 128: dict(BLOCK_M=64, BLOCK_N=BLOCK_N, STAGES=2)}
-_REGS = dict(PRODUCER_REGS=24, CONSUMER_REGS=240, num_warps=4)
+# warps and registers of the partitions: two consumers of one warpgroup each, and a producer of one
+# warp issuing TMA copies, or of two warps issuing cp.async ones (fastest of 1, 2 and 4 on an H200)
+_TMA_PRODUCER = dict(PRODUCER_WARPS=1, PRODUCER_REGS=24, CONSUMER_REGS=240, num_warps=4)
+_GATHER_PRODUCER = dict(PRODUCER_WARPS=2, PRODUCER_REGS=56, CONSUMER_REGS=224, num_warps=4)
 
 _kernels = None
 _import_error: str | None = None
@@ -52,6 +56,17 @@ def _view(x: torch.Tensor, r: int):
     if x.transpose(1, 2).is_contiguous():  # [B, N, H, D] seen as [B, H, N, D]
         return x.transpose(1, 2).reshape(b * n // r, r * hx * d), n // r, 0, d, hx * d
     return None
+
+
+def _whole_sets(plan) -> bool:
+    """Whether the plan is N / w segments of w / r members each (checked once per plan)."""
+    whole = getattr(plan, "_whole_sets", None)
+    if whole is None:
+        n, w, r = plan.seq_len, plan.segment_length, plan.dilation_rate
+        whole = (n % w == 0 and plan.num_segments == n // w and plan.set_size == w // r
+                 and bool((plan.counts == w // r).all()))
+        object.__setattr__(plan, "_whole_sets", whole)  # plans are frozen and cached
+    return whole
 
 
 _logged: set = set()
@@ -89,38 +104,47 @@ def _unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale) -> str | N
         return "causal, masked or dropout"
     if scale < 0:
         return "negative scale"
-    if not plan.is_strided:
-        return "sets reached through positions (Hilbert order, r > 1)"
     n, w, r = plan.seq_len, plan.segment_length, plan.dilation_rate
-    if n % w or (w // r) % CTA_ROWS:
-        return f"partial sets (N % w != 0 or w / r not a multiple of {CTA_ROWS})"
+    if (w // r) % CTA_ROWS or not _whole_sets(plan):
+        return f"partial sets (N % w != 0, a shard's part of a segment, or w / r not a multiple of {CTA_ROWS})"
     if n // w > 65535 or q.shape[0] * q.shape[1] > 65535:
         return "grid too large (segments or batch * heads over 65535)"
     for name, x in (("q", q), ("k", k), ("v", v)):
         if _view(x, r) is None or x.data_ptr() % 16:
             return f"{name}'s layout (neither contiguous nor [B, N, H, D] transposed, or unaligned)"
+        if not plan.is_strided and n * x.stride(2) >= 2**31:
+            return f"{name}'s rows lie 2**31 elements apart or more (int32 offsets of the gather)"
     if _load() is None:
         return _import_error
     return None
 
 
-def launch(q, k, v, out, acc, lse, plan, *, scale: float, first: bool, last: bool) -> None:
+def launch(q, k, v, out, acc, lse, plan, positions, *, scale: float, first: bool,
+           last: bool) -> None:
     """One branch into (out, acc, lse) as lowering/triton_kernels.py's _fwd_kernel would; out and
-    acc contiguous [B, H, N, D], lse contiguous [B, H, N]."""
+    acc contiguous [B, H, N, D], lse contiguous [B, H, N]. Strided sets are read by TMA, others
+    through `positions` (int32 [r, segments, >= w / r], lowering/triton_lowering._plan_tensors)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.experimental.gluon import language as gl
     kern = _load()
     b, hq, n, d = q.shape
     w, r = plan.segment_length, plan.dilation_rate
     tiles = _TILES[d]
-    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    descs, coords = [], []
-    for x, rows in ((q, tiles["BLOCK_M"]), (k, tiles["BLOCK_N"]), (v, tiles["BLOCK_N"])):
-        view, *row_col = _view(x, r)
-        block = [rows, d]
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
-        descs.append(TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout))
-        coords += row_col
     grid = ((w // r) // CTA_ROWS, n // w, b * hq)
-    kern._fwd_kernel[grid](*descs, out, acc, lse, scale * LOG2E, hq, n, hq // k.shape[1], r, w,
-                           *coords, FIRST=first, LAST=last, HEAD_D=d, **tiles, **_REGS)
+    if plan.is_strided:
+        gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+        tensors, coords = [], []
+        for x, rows in ((q, tiles["BLOCK_M"]), (k, tiles["BLOCK_N"]), (v, tiles["BLOCK_N"])):
+            view, *row_col = _view(x, r)
+            block = [rows, d]
+            layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+            tensors.append(TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout))
+            coords += row_col
+        regs = dict(GATHER=False, **_TMA_PRODUCER)
+    else:
+        tensors = [q, k, v]
+        coords = [s for x in (q, k, v) for s in (*x.stride()[:3], 0)]
+        regs = dict(GATHER=True, **_GATHER_PRODUCER)
+    kern._fwd_kernel[grid](*tensors, out, acc, lse, positions, scale * LOG2E, hq, n,
+                           hq // k.shape[1], r, w, positions.stride(0), positions.stride(1),
+                           *coords, FIRST=first, LAST=last, HEAD_D=d, **tiles, **regs)

@@ -27,8 +27,8 @@ Every set is full (N % w == 0), scores are finite and the scale is not negative:
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
+                                                              tma, warpgroup_mma, warpgroup_mma_wait)
 
 CONSUMERS = gl.constexpr(2)  # consumer partitions of one warpgroup each; a CTA covers CONSUMERS * BLOCK_M rows
 
@@ -61,6 +61,50 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_
                                         v_smem.index(slot))
 
 
+@gluon.constexpr_function
+def _copy_layout(num_warps, d):
+    """cp.async's layout for [rows, d] tiles: 16 bytes (8 elements) a thread along d."""
+    across = d // 8
+    return gl.BlockedLayout([1, 8], [32 // across, across], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _gather_rows(dst, base, Pos, first, stride_n, ROWS: gl.constexpr, HEAD_D: gl.constexpr,
+                 PW: gl.constexpr):
+    """cp.async of rows Pos[first + i] (i < ROWS) of one head, 64 at a time, into dst [ROWS, D]."""
+    layout: gl.constexpr = _copy_layout(PW, HEAD_D)
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
+    for c in gl.static_range(ROWS // 64):
+        pos = gl.load(Pos + first + c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout)))
+        offs = gl.expand_dims(pos * stride_n, 1) + gl.expand_dims(cols, 0)
+        async_copy.async_copy_global_to_shared(dst.slice(c * 64, 64), base + offs)
+
+
+@gluon.jit
+def _gather_producer(Q, K, V, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                     v_empty, q_base, k_base, v_base, q_sn, k_sn, v_sn, pos_set, q_first, n_tiles,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                     STAGES: gl.constexpr, PW: gl.constexpr):
+    """PW warps, for sets reached through the plan's positions: the same rings as _producer,
+    filled by cp.async (Hopper's TMA cannot gather rows); every thread of the partition
+    arrives on the slot's `ready` barrier once its own copies have landed."""
+    for i in gl.static_range(CONSUMERS):
+        _gather_rows(q_smem.index(i), Q + q_base, Pos, pos_set + q_first + i * BLOCK_M, q_sn,
+                     BLOCK_M, HEAD_D, PW)
+    async_copy.mbarrier_arrive(q_bar, increment_count=False)
+    for t in range(n_tiles):
+        slot = t % STAGES
+        phase = ((t // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), phase)
+        _gather_rows(k_smem.index(slot), K + k_base, Pos, pos_set + t * BLOCK_N, k_sn, BLOCK_N,
+                     HEAD_D, PW)
+        async_copy.mbarrier_arrive(k_ready.index(slot), increment_count=False)
+        mbarrier.wait(v_empty.index(slot), phase)
+        _gather_rows(v_smem.index(slot), V + v_base, Pos, pos_set + t * BLOCK_N, v_sn, BLOCK_N,
+                     HEAD_D, PW)
+        async_copy.mbarrier_arrive(v_ready.index(slot), increment_count=False)
+
+
 @gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale):
     """Online softmax in base 2 over raw products s (every one finite, qk_scale >= 0)."""
@@ -71,19 +115,17 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _merge_rows(acc, m_i, l_i, Out, Acc, Lse, first_row, R,
-                HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.constexpr,
-                FIRST: gl.constexpr, LAST: gl.constexpr):
-    """This branch's rows (o = acc / l, lse) merged into the branches' before: rows
-    first_row + i * R of the flat [B * H * N] row index of Out, Acc and Lse. Loads and stores
-    stay in wgmma's layout (each thread's pairs of columns fill whole 32-byte sectors)."""
+def _merge_rows(acc, m_i, l_i, Out, Acc, Lse, rows,
+                HEAD_D: gl.constexpr, NW: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr):
+    """This branch's rows (o = acc / l, lse) merged into the branches' before: `rows` (int64, of
+    the flat [B * H * N] row index of Out, Acc and Lse). Loads and stores stay in wgmma's layout
+    (each thread's pairs of columns fill whole 32-byte sectors)."""
     layout: gl.constexpr = _mma_layout(NW, HEAD_D)
     rows_l: gl.constexpr = gl.SliceLayout(1, layout)
     cols_l: gl.constexpr = gl.SliceLayout(0, layout)
     l_r = gl.convert_layout(l_i, rows_l)
     lse = (gl.convert_layout(m_i, rows_l) + gl.log2(l_r)) * 0.6931471805599453
     o = acc * gl.expand_dims(1.0 / l_r, 1)
-    rows = first_row + gl.arange(0, BLOCK_M, layout=rows_l).to(gl.int64) * R
     offs = gl.expand_dims(rows * HEAD_D, 1) + gl.expand_dims(gl.arange(0, HEAD_D, layout=cols_l), 0)
     if not FIRST:
         old = gl.load(Lse + rows)  # -inf where no branch before selected the row
@@ -104,10 +146,13 @@ def _merge_rows(acc, m_i, l_i, Out, Acc, Lse, first_row, R,
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc, Lse,
-              qk_scale, first_row, R, n_tiles,
+              Pos, qk_scale, first_row, R, pos_q, n_tiles,
               CID: gl.constexpr, NW: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_D: gl.constexpr, STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr):
-    """Rows CID * BLOCK_M ... of the CTA's query tile, over every key tile of the set."""
+              HEAD_D: gl.constexpr, STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
+              GATHER: gl.constexpr):
+    """Rows CID * BLOCK_M ... of the CTA's query tile, over every key tile of the set. GATHER:
+    the rings were written by cp.async (the generic proxy), which wgmma reads only after a
+    proxy fence."""
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = _mma_layout(NW, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(NW, HEAD_D)
@@ -120,6 +165,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     mbarrier.wait(q_bar, 0)
 
     mbarrier.wait(k_ready.index(0), 0)
+    if GATHER:
+        fence_async_shared()
     s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
@@ -131,6 +178,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         prev = (t - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
         mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
+        if GATHER:
+            fence_async_shared()
         s_tok = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         acc_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
@@ -143,24 +192,35 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         p16 = gl.convert_layout(p.to(dtype), p_layout)
     last = (n_tiles - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    if GATHER:
+        fence_async_shared()
     acc_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
     acc, p16_used = warpgroup_mma_wait(0, deps=(acc_tok, p16))
     mbarrier.arrive(v_empty.index(last), count=1)
-    _merge_rows(acc, m_i, l_i, Out, Acc, Lse, first_row + CID * BLOCK_M * R, R,
-                HEAD_D, BLOCK_M, NW, FIRST, LAST)
+    rows_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+    members = CID * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_l)
+    if GATHER:
+        rows = first_row + gl.load(Pos + pos_q + members).to(gl.int64)
+    else:
+        rows = first_row + members.to(gl.int64) * R
+    _merge_rows(acc, m_i, l_i, Out, Acc, Lse, rows, HEAD_D, NW, FIRST, LAST)
 
 
 @gluon.jit
-def _fwd_kernel(q_desc, k_desc, v_desc, Out, Acc, Lse, qk_scale,
-                H, N, GROUP, R, W,
-                QRB, QRH, QCH, QCO, KRB, KRH, KCH, KCO, VRB, VRH, VCH, VCO,
+def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
+                H, N, GROUP, R, W, stride_po, stride_ps,
+                QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                 STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
+                GATHER: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 num_warps: gl.constexpr):
     """Grid (set length / (2 * BLOCK_M), segments, B * H): the query tile runs fastest, so the
-    CTAs of one set run together and share its keys and values in L2."""
-    dtype: gl.constexpr = q_desc.dtype
+    CTAs of one set run together and share its keys and values in L2.
+
+    Strided sets (not GATHER): Qx, Kx, Vx are TMA descriptors of the 2-D views and (A, B, C, D)
+    of each are (RB, RH, CH, CO) above. GATHER: Qx, Kx, Vx are the tensors, (A, B, C) their
+    batch, head and row strides, and member m of set j of offset o is at Pos[o, j, m]."""
     tile = gl.program_id(0)
     seg = gl.program_id(1)
     bh = gl.program_id(2)
@@ -169,40 +229,68 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Out, Acc, Lse, qk_scale,
     hk = h // GROUP
     off = h % R
     set_len = W // R
-    member = seg * set_len  # rows of the set's first member in the 2-D views
-    q_first = tile * (CONSUMERS * BLOCK_M)
-    q_row = b * QRB + h * QRH + member + q_first
-    k_row = b * KRB + hk * KRH + member
-    v_row = b * VRB + hk * VRH + member
-    first_row = bh.to(gl.int64) * N + seg * W + off + q_first * R  # Out, Acc, Lse: [B, H, N]
+    n_tiles = set_len // BLOCK_N
+    q_first = tile * (CONSUMERS * BLOCK_M)  # the CTA's first member
+    if GATHER:
+        dtype: gl.constexpr = Qx.dtype.element_ty
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
+        kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
+        arrivals: gl.constexpr = PRODUCER_WARPS * 32  # every producer thread arrives
+        first_row = bh.to(gl.int64) * N  # Out, Acc, Lse: [B, H, N]
+        pos_set = off * stride_po + seg * stride_ps
+    else:
+        dtype: gl.constexpr = Qx.dtype
+        q_sl: gl.constexpr = Qx.layout
+        kv_sl: gl.constexpr = Kx.layout
+        arrivals: gl.constexpr = 1
+        first_row = bh.to(gl.int64) * N + seg * W + off + q_first * R
+        pos_set = 0
 
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, HEAD_D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, HEAD_D], q_sl)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_sl)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_sl)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_bar, count=arrivals)
     for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_ready.index(i), count=arrivals)
+        mbarrier.init(v_ready.index(i), count=arrivals)
         mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
     fence_async_shared()
 
-    n_tiles = set_len // BLOCK_N
     # Triton 3.6: the argument tuples must be written inline (a tuple held in a variable turns
     # its constexprs into tensors).
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc,
-                     Lse, qk_scale, first_row, R, n_tiles, 0, num_warps, BLOCK_M, BLOCK_N, HEAD_D,
-                     STAGES, FIRST, LAST)),
-        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc,
-                     Lse, qk_scale, first_row, R, n_tiles, 1, num_warps, BLOCK_M, BLOCK_N, HEAD_D,
-                     STAGES, FIRST, LAST)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                     v_ready, v_empty, q_row, off * QCO + h * QCH, k_row, off * KCO + hk * KCH,
-                     v_row, off * VCO + hk * VCH, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
-    ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if GATHER:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
+                         Acc, Lse, Pos, qk_scale, first_row, R, pos_set + q_first, n_tiles, 0,
+                         num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
+                         Acc, Lse, Pos, qk_scale, first_row, R, pos_set + q_first, n_tiles, 1,
+                         num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER)),
+            (_gather_producer, (Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                                v_ready, v_empty, b.to(gl.int64) * QA + h.to(gl.int64) * QB,
+                                b.to(gl.int64) * KA + hk.to(gl.int64) * KB,
+                                b.to(gl.int64) * VA + hk.to(gl.int64) * VB, QC, KC, VC, pos_set,
+                                q_first, n_tiles, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                                PRODUCER_WARPS)),
+        ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        member = seg * set_len  # row of the set's first member in the 2-D views
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
+                         Acc, Lse, Pos, qk_scale, first_row, R, 0, n_tiles, 0, num_warps,
+                         BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
+                         Acc, Lse, Pos, qk_scale, first_row, R, 0, n_tiles, 1, num_warps,
+                         BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER)),
+            (_producer, (Qx, Kx, Vx, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                         v_empty, b * QA + h * QB + member + q_first, off * QD + h * QC,
+                         b * KA + hk * KB + member, off * KD + hk * KC,
+                         b * VA + hk * VB + member, off * VD + hk * VC, n_tiles, BLOCK_M,
+                         BLOCK_N, STAGES)),
+        ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

@@ -419,11 +419,12 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
     cfg = tile_config("fwd", q.device, q.dtype, c["d"], c["interpreted"], c["mask_kind"] != 0)
     for i, plan in enumerate(order):
         last = covers and i == len(order) - 1
+        pos, cnt, strided = _plan_tensors(plan, q.device)
         if gluon_forward.unsupported(q, k, v, plan, is_causal=is_causal, mask_kind=c["mask_kind"],
                                      dropout=c["dropout"], scale=scale) is None:
-            gluon_forward.launch(q, k, v, out, acc, lse, plan, scale=scale, first=i == 0, last=last)
+            gluon_forward.launch(q, k, v, out, acc, lse, plan, pos, scale=scale, first=i == 0,
+                                 last=last)
             continue
-        pos, cnt, strided = _plan_tensors(plan, q.device)
 
         def grid(cfg, plan=plan):
             dims = (_cdiv(plan.set_size, cfg.block_m), b * hq, plan.num_segments)

@@ -36,6 +36,7 @@ CASES = [
     ("hopper 3 branches", 1, 4, 4, 2048, 128, ((256, 1), (512, 2), (1024, 4)), False, False, None),
     ("hopper hilbert GQA", 2, 8, 2, 1024, 64, ((256, 1), (512, 2)), True, False, None),
     ("hopper transposed", 1, 4, 2, 1024, 128, ((512, 4), (1024, 8)), False, False, None),
+    ("hopper transposed hilbert", 2, 8, 4, 1024, 64, ((256, 1), (512, 4), (1024, 8)), True, False, None),
     ("hopper one branch", 1, 2, 2, 512, 64, ((512, 1),), True, False, None),
 ]
 

@@ -48,3 +48,13 @@ def test_not_used_on_cpu_or_when_turned_off(monkeypatch):
     why = gluon_forward.unsupported(q, q, q, plan, is_causal=False, mask_kind=0, dropout=False,
                                     scale=0.125)
     assert why == "HILBERT_FX_GLUON=0"
+
+
+def test_whole_sets_only():
+    """The kernel's grid assumes N / w segments of w / r members each: a partial last segment or
+    a ring shard's part of a segment runs on the Triton kernels."""
+    from lowering.ring_plan import shard_branch_plans
+    assert gluon_forward._whole_sets(branch_plan(4096, 1024, 2, True))
+    assert not gluon_forward._whole_sets(branch_plan(4000, 1024, 2, True))
+    for plan in shard_branch_plans(3000, 2, 0, [2048, 4096], [1, 2], True):
+        assert not gluon_forward._whole_sets(plan)
