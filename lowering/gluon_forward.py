@@ -6,8 +6,8 @@ per reason on the "hilbert_fx.lowering" logger, which TORCH_LOGS="hilbert_fx" sh
 kernels merge their branches the same way (float32 Acc and Lse), so one call may mix them.
 
 It runs on compute capability 9.x with a Triton whose Gluon has the Hopper API used here
-(Triton 3.6), for float16 and bfloat16, head dims 64 and 128 (v's the same), not causal, no
-mask, no dropout, a scale >= 0, whole sets (N % w == 0, w / r a multiple of 128), and q, k, v
+(Triton 3.6), for float16 and bfloat16, head dims 64 and 128 (v's the same), causal or not, no
+mask, no dropout, a scale >= 0 (> 0 when causal), whole sets (N % w == 0, w / r a multiple of 128), and q, k, v
 each contiguous or a [B, N, H, D] tensor transposed. Sets reached by strides (the identity
 order, or r == 1 in any order) are read by TMA, the Hilbert order's others by cp.async through
 the plan's positions. HILBERT_FX_GLUON=0 turns it off.
@@ -100,10 +100,10 @@ def _unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale) -> str | N
     d = q.shape[-1]
     if d not in _TILES or k.shape[-1] != d or v.shape[-1] != d:
         return f"head dims {d}/{v.shape[-1]} (runs 64 and 128, v's equal to q's)"
-    if is_causal or mask_kind or dropout:
-        return "causal, masked or dropout"
-    if scale < 0:
-        return "negative scale"
+    if mask_kind or dropout:
+        return "a mask or dropout"
+    if scale < 0 or (is_causal and scale == 0):
+        return "negative scale (or zero, causal)"
     n, w, r = plan.seq_len, plan.segment_length, plan.dilation_rate
     if (w // r) % CTA_ROWS or not _whole_sets(plan):
         return f"partial sets (N % w != 0, a shard's part of a segment, or w / r not a multiple of {CTA_ROWS})"
@@ -119,7 +119,7 @@ def _unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale) -> str | N
     return None
 
 
-def launch(q, k, v, out, acc, lse, plan, positions, *, scale: float, first: bool,
+def launch(q, k, v, out, acc, lse, plan, positions, *, is_causal: bool, scale: float, first: bool,
            last: bool) -> None:
     """One branch into (out, acc, lse) as lowering/triton_kernels.py's _fwd_kernel would; out and
     acc contiguous [B, H, N, D], lse contiguous [B, H, N]. Strided sets are read by TMA, others
@@ -147,4 +147,5 @@ def launch(q, k, v, out, acc, lse, plan, positions, *, scale: float, first: bool
         regs = dict(GATHER=True, **_GATHER_PRODUCER)
     kern._fwd_kernel[grid](*tensors, out, acc, lse, positions, scale * LOG2E, hq, n,
                            hq // k.shape[1], r, w, positions.stride(0), positions.stride(1),
-                           *coords, FIRST=first, LAST=last, HEAD_D=d, **tiles, **regs)
+                           *coords, FIRST=first, LAST=last, CAUSAL=bool(is_causal), HEAD_D=d,
+                           **tiles, **regs)

@@ -5,8 +5,8 @@ lowering/triton_kernels.py. Written for Triton 3.6's Gluon (triton.experimental.
 
 One CTA covers 128 query rows of one selected set (two tiles of 64, one per consumer):
 
-- a producer warp copies the CTA's q rows once, then the key and value tiles of the set into
-  rings of STAGES shared-memory slots, by TMA, each slot guarded by a `ready` and an `empty`
+- a producer partition copies the CTA's q rows once, then the key and value tiles of the set
+  into rings of STAGES shared-memory slots, each slot guarded by a `ready` and an `empty`
   mbarrier;
 - two consumer partitions of one warpgroup each run the online softmax over the set for their
   64 rows: S = q k^T and O += P v by asynchronous wgmma (P from registers), with the product
@@ -14,16 +14,22 @@ One CTA covers 128 query rows of one selected set (two tiles of 64, one per cons
   only for S(t) (FlashAttention-3's overlap inside a warpgroup); the two consumers overlap each
   other's softmax with their products.
 
-The sets are reached by TMA boxes, with no copy: the rows of a set are strided (identity order,
-or any order when r == 1), and a [B, H, N, D] tensor of either layout the op sees (contiguous,
-or [B, N, H, D] transposed) read as 2-D [rows, r * row_length] makes the set's members one
-column block of consecutive rows (gluon_forward._view). Row and column of member m of set j of
-head `hx` (offset o = h % r): row = b * RB + hx * RH + j * (w / r) + m, column = o * CO + hx * CH.
+The producer reaches the rows where they lie, with no copy of q, k, v:
+- strided sets (identity order, or any order when r == 1): one warp, TMA boxes. A [B, H, N, D]
+  tensor of either layout the op sees (contiguous, or [B, N, H, D] transposed) read as 2-D
+  [rows, r * row_length] makes the set's members one column block of consecutive rows
+  (gluon_forward._view). Row and column of member m of set j of head `hx` (offset o = h % r):
+  row = b * RB + hx * RH + j * (w / r) + m, column = o * CO + hx * CH.
+- the Hilbert order's other sets (GATHER): two warps, cp.async of 16 bytes a thread from the rows
+  the plan's positions name (Hopper's TMA cannot gather rows). Every producer thread arrives on
+  the slot's `ready` barrier when its own copies have landed (cp.async.mbarrier.arrive.noinc),
+  and the consumers fence the async proxy before wgmma reads what cp.async wrote.
 
 The end of a program merges its rows into the result of the branches launched before, exactly
 as lowering/triton_kernels.py's _fwd_kernel does: by log-sum-exp in float32 through
 (Acc [B, H, N, D] float32, Lse [B, H, N]) unless FIRST; a LAST branch writes Out in q's dtype.
-Every set is full (N % w == 0), scores are finite and the scale is not negative: no masks.
+Every set is full (N % w == 0) and the scale is not negative; the only mask is the causal
+diagonal, on one key tile per program.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -115,6 +121,15 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
+def _on_diagonal(s, key_first, query_first, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 layout: gl.constexpr):
+    """Causal: scores of keys after their query (by member index in the ascending set) to -inf."""
+    keys = key_first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    queries = query_first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    return gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(queries, 1), s, float("-inf"))
+
+
+@gluon.jit
 def _merge_rows(acc, m_i, l_i, Out, Acc, Lse, rows,
                 HEAD_D: gl.constexpr, NW: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr):
     """This branch's rows (o = acc / l, lse) merged into the branches' before: `rows` (int64, of
@@ -146,13 +161,14 @@ def _merge_rows(acc, m_i, l_i, Out, Acc, Lse, rows,
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc, Lse,
-              Pos, qk_scale, first_row, R, pos_q, n_tiles,
+              Pos, qk_scale, first_row, R, pos_q, q_first, n_tiles,
               CID: gl.constexpr, NW: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_D: gl.constexpr, STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
-              GATHER: gl.constexpr):
-    """Rows CID * BLOCK_M ... of the CTA's query tile, over every key tile of the set. GATHER:
-    the rings were written by cp.async (the generic proxy), which wgmma reads only after a
-    proxy fence."""
+              GATHER: gl.constexpr, CAUSAL: gl.constexpr):
+    """Rows CID * BLOCK_M ... of the CTA's query tile (members q_first + ...), over the key tiles
+    [0, n_tiles) of the set; under CAUSAL the last of them holds the diagonal. GATHER: the rings
+    were written by cp.async (the generic proxy), which wgmma reads only after a proxy fence."""
+    query_first = q_first + CID * BLOCK_M
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = _mma_layout(NW, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(NW, HEAD_D)
@@ -171,6 +187,9 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                           is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(0), count=1)
+    if CAUSAL:
+        if n_tiles == 1:
+            s = _on_diagonal(s, 0, query_first, BLOCK_M, BLOCK_N, s_layout)
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
     for t in range(1, n_tiles):  # S(t) and P(t-1) v(t-1) in flight; then the softmax of t
@@ -185,6 +204,9 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         acc_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
+        if CAUSAL:
+            if t == n_tiles - 1:
+                s = _on_diagonal(s, t * BLOCK_N, query_first, BLOCK_M, BLOCK_N, s_layout)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         acc, p16_used = warpgroup_mma_wait(0, deps=(acc_tok, p16))  # p16 stays live until read
         mbarrier.arrive(v_empty.index(prev), count=1)
@@ -212,16 +234,19 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
                 QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                 STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
-                GATHER: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+                GATHER: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 num_warps: gl.constexpr):
     """Grid (set length / (2 * BLOCK_M), segments, B * H): the query tile runs fastest, so the
-    CTAs of one set run together and share its keys and values in L2.
+    CTAs of one set run together and share its keys and values in L2. Under CAUSAL the query
+    tiles run last to first (the longest first) and each stops at its diagonal key tile.
 
     Strided sets (not GATHER): Qx, Kx, Vx are TMA descriptors of the 2-D views and (A, B, C, D)
     of each are (RB, RH, CH, CO) above. GATHER: Qx, Kx, Vx are the tensors, (A, B, C) their
     batch, head and row strides, and member m of set j of offset o is at Pos[o, j, m]."""
     tile = gl.program_id(0)
+    if CAUSAL:
+        tile = gl.num_programs(0) - 1 - tile
     seg = gl.program_id(1)
     bh = gl.program_id(2)
     b = bh // H
@@ -229,8 +254,10 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     hk = h // GROUP
     off = h % R
     set_len = W // R
-    n_tiles = set_len // BLOCK_N
     q_first = tile * (CONSUMERS * BLOCK_M)  # the CTA's first member
+    n_tiles = set_len // BLOCK_N
+    if CAUSAL:  # key tiles up to the one holding the CTA's last query
+        n_tiles = gl.minimum(n_tiles, (q_first + CONSUMERS * BLOCK_M + BLOCK_N - 1) // BLOCK_N)
     if GATHER:
         dtype: gl.constexpr = Qx.dtype.element_ty
         q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
@@ -267,11 +294,13 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     if GATHER:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
-                         Acc, Lse, Pos, qk_scale, first_row, R, pos_set + q_first, n_tiles, 0,
-                         num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER)),
+                         Acc, Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles,
+                         0, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
+                         CAUSAL)),
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
-                         Acc, Lse, Pos, qk_scale, first_row, R, pos_set + q_first, n_tiles, 1,
-                         num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER)),
+                         Acc, Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles,
+                         1, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
+                         CAUSAL)),
             (_gather_producer, (Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
                                 v_ready, v_empty, b.to(gl.int64) * QA + h.to(gl.int64) * QB,
                                 b.to(gl.int64) * KA + hk.to(gl.int64) * KB,
@@ -283,11 +312,13 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
         member = seg * set_len  # row of the set's first member in the 2-D views
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
-                         Acc, Lse, Pos, qk_scale, first_row, R, 0, n_tiles, 0, num_warps,
-                         BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER)),
+                         Acc, Lse, Pos, qk_scale, first_row, R, 0, q_first, n_tiles, 0,
+                         num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
+                         CAUSAL)),
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
-                         Acc, Lse, Pos, qk_scale, first_row, R, 0, n_tiles, 1, num_warps,
-                         BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER)),
+                         Acc, Lse, Pos, qk_scale, first_row, R, 0, q_first, n_tiles, 1,
+                         num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
+                         CAUSAL)),
             (_producer, (Qx, Kx, Vx, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                          v_empty, b * QA + h * QB + member + q_first, off * QD + h * QC,
                          b * KA + hk * KB + member, off * KD + hk * KC,

@@ -41,8 +41,8 @@ torch.use_deterministic_algorithms(True) turn that off again.
 
 On Hopper (compute capability 9.x) a branch whose sets are reached by strides runs instead on
 lowering/gluon_kernels.py, FlashAttention-3's warp-specialised schedule written in Gluon, which
-merges into the same (acc, lse) (lowering/gluon_forward.py says when: not causal, no mask, no
-dropout, whole sets, head dims 64 and 128, 16-bit types). On an H200 at N = 64K it runs the
+merges into the same (acc, lse) (lowering/gluon_forward.py says when: no mask, no dropout,
+whole sets, head dims 64 and 128, 16-bit types). On an H200 at N = 64K it runs the
 identity order's forward at the floor's speed, 3.60 against 3.60 ms (BENCHMARKS.md).
 
 CPU tensors run the same kernels under the Triton interpreter (SPEC section 3). Triton decides
@@ -422,8 +422,8 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
         pos, cnt, strided = _plan_tensors(plan, q.device)
         if gluon_forward.unsupported(q, k, v, plan, is_causal=is_causal, mask_kind=c["mask_kind"],
                                      dropout=c["dropout"], scale=scale) is None:
-            gluon_forward.launch(q, k, v, out, acc, lse, plan, pos, scale=scale, first=i == 0,
-                                 last=last)
+            gluon_forward.launch(q, k, v, out, acc, lse, plan, pos, is_causal=is_causal,
+                                 scale=scale, first=i == 0, last=last)
             continue
 
         def grid(cfg, plan=plan):

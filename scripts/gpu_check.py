@@ -38,6 +38,8 @@ CASES = [
     ("hopper transposed", 1, 4, 2, 1024, 128, ((512, 4), (1024, 8)), False, False, None),
     ("hopper transposed hilbert", 2, 8, 4, 1024, 64, ((256, 1), (512, 4), (1024, 8)), True, False, None),
     ("hopper one branch", 1, 2, 2, 512, 64, ((512, 1),), True, False, None),
+    ("hopper causal", 1, 4, 2, 2048, 128, ((512, 1), (1024, 2), (2048, 4)), True, True, None),
+    ("hopper causal id", 2, 4, 4, 1024, 64, ((256, 1), (1024, 8)), False, True, None),
 ]
 
 
