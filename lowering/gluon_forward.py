@@ -5,12 +5,13 @@ branch runs here, a string says why it runs on lowering/triton_kernels.py instea
 per reason on the "hilbert_fx.lowering" logger, which TORCH_LOGS="hilbert_fx" shows). Both
 kernels merge their branches the same way (float32 Acc and Lse), so one call may mix them.
 
-It runs on compute capability 9.x with a Triton whose Gluon has the Hopper API used here
-(Triton 3.6), for float16 and bfloat16, head dims 64 and 128 (v's the same), causal or not, no
-mask, no dropout, a scale >= 0 (> 0 when causal), whole sets (N % w == 0, w / r a multiple of 128), and q, k, v
-each contiguous or a [B, N, H, D] tensor transposed. Sets reached by strides (the identity
-order, or r == 1 in any order) are read by TMA, the Hilbert order's others by cp.async through
-the plan's positions. HILBERT_FX_GLUON=0 turns it off.
+It runs on compute capability 9.x with Triton 3.6 (Gluon's API changes between releases: other
+versions run the Triton kernels, with the reason logged), for float16 and bfloat16, head dims 64
+and 128 (v's the same), causal or not, no mask, no dropout, a scale >= 0 (> 0 when causal),
+whole sets (N % w == 0, w / r a multiple of 128), and q, k, v each contiguous or a [B, N, H, D]
+tensor transposed. Sets reached by strides (the identity order, or r == 1 in any order) are read
+by TMA, the Hilbert order's others by cp.async through the plan's positions. HILBERT_FX_GLUON=0
+turns it off.
 """
 from __future__ import annotations
 
@@ -34,10 +35,18 @@ _kernels = None
 _import_error: str | None = None
 
 
+TESTED_TRITON = ("3.6.",)  # Gluon's API changes between releases (3.9 renamed the TMA copies)
+
+
 def _load():
     """lowering/gluon_kernels.py, imported on first use; None (and the reason kept) if it cannot be."""
     global _kernels, _import_error
     if _kernels is None and _import_error is None:
+        import triton
+        if not triton.__version__.startswith(TESTED_TRITON):
+            _import_error = (f"Triton {triton.__version__}: the Hopper kernel is written for the Gluon "
+                             f"of Triton {', '.join(v + 'x' for v in TESTED_TRITON)}")
+            return None
         try:
             from . import gluon_kernels
             from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401

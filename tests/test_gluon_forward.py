@@ -58,3 +58,13 @@ def test_whole_sets_only():
     assert not gluon_forward._whole_sets(branch_plan(4000, 1024, 2, True))
     for plan in shard_branch_plans(3000, 2, 0, [2048, 4096], [1, 2], True):
         assert not gluon_forward._whole_sets(plan)
+
+
+def test_other_triton_versions_refused(monkeypatch):
+    """Gluon's API differs between Triton releases: an untested one runs the Triton kernels."""
+    import triton
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    monkeypatch.setattr(gluon_forward, "_kernels", None)
+    monkeypatch.setattr(gluon_forward, "_import_error", None)
+    assert gluon_forward._load() is None
+    assert "Triton 3.9.0" in gluon_forward._import_error
