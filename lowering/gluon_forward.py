@@ -85,11 +85,15 @@ def _note(reason: str | None, plan) -> str | None:
     key = (reason, plan.segment_length, plan.dilation_rate)
     if key not in _logged and len(_logged) < 256:
         _logged.add(key)
+        if log.parent is not None and log.parent.name == "hilbert_fx":
+            # torch._logging's set-up can leave its handler on the registered log twice (as
+            # hilbert_fx/logs.py notes), which printed every line twice
+            del log.parent.handlers[1:]
         where = f"branch ({plan.segment_length}, {plan.dilation_rate})"
         if reason is None:
-            log.debug("%s forward: Hopper kernel (Gluon)", where)
+            log.info("%s forward: Hopper kernel (Gluon)", where)
         else:
-            log.debug("%s forward: Triton kernel, not the Hopper one: %s", where, reason)
+            log.info("%s forward: Triton kernel, not the Hopper one: %s", where, reason)
     return reason
 
 

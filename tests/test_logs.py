@@ -26,3 +26,22 @@ def test_torch_logs_show_each_decision_once():
     assert len(lines) == 2, lines
     assert "rewritten, lowering=sdpa, branches (8,1), (16,2)" in lines[0] + lines[1]
     assert any("skipped:" in l for l in lines), lines
+
+
+KERNEL_CODE = """
+import torch
+import hilbert_fx
+q = torch.randn(1, 2, 64, 16)
+hilbert_fx.dilated_attention(q, q, q, [32, 64], [1, 2], lowering="triton")
+"""
+
+
+def test_torch_logs_show_the_forward_kernel_of_each_branch():
+    env = dict(os.environ, TORCH_LOGS="hilbert_fx", TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", KERNEL_CODE], capture_output=True, text=True,
+                         env=env, timeout=300, cwd=os.path.dirname(__file__))
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [l for l in res.stderr.splitlines() if "forward: Triton kernel" in l]
+    assert len(lines) == 2, res.stderr[-3000:]
+    assert all("not the Hopper one: not a compute capability 9.x GPU" in l for l in lines), lines
+    assert "branch (32, 1)" in lines[0] + lines[1] and "branch (64, 2)" in lines[0] + lines[1]
