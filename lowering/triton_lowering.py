@@ -39,11 +39,12 @@ Setting HILBERT_FX_TRITON_ATOMIC_DQ=1 folds dQ into the dK/dV kernel with float3
 (saves recomputing S and dP, not deterministic); HILBERT_FX_DETERMINISTIC=1 or
 torch.use_deterministic_algorithms(True) turn that off again.
 
-On Hopper (compute capability 9.x) a branch whose sets are reached by strides runs instead on
+On Hopper (compute capability 9.x, Triton 3.6) the forward of a branch runs instead on
 lowering/gluon_kernels.py, FlashAttention-3's warp-specialised schedule written in Gluon, which
-merges into the same (acc, lse) (lowering/gluon_forward.py says when: no mask, no dropout,
-whole sets, head dims 64 and 128, 16-bit types). On an H200 at N = 64K it runs the
-identity order's forward at the floor's speed, 3.60 against 3.60 ms (BENCHMARKS.md).
+merges into the same (acc, lse) (lowering/gluon_forward.py says when: no mask, no dropout, whole
+sets, head dims 64 and 128, 16-bit types). On an H200 at N = 64K the forward takes 3.60 to 3.86
+ms in the identity order and 4.08 to 4.13 ms in the Hilbert order, against the floor's 3.53 to
+3.63 (BENCHMARKS.md). The backward stays here.
 
 CPU tensors run the same kernels under the Triton interpreter (SPEC section 3). Triton decides
 between interpreter and compiler when `triton` is first imported; importing this module without
