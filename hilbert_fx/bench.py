@@ -22,7 +22,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from lowering import dilated_attention
+from lowering import dilated_attention, gluon_forward
 from lowering.plans import branch_plans, hilbert_order
 
 METHODS = ("dense", "flex", "sdpa", "triton", "floor")
@@ -178,6 +178,38 @@ def plot(rows, path, title):
     fig.savefig(path, dpi=120)
 
 
+def format_table(rows, title, methods, seq_lens, modes, largest, kernels) -> str:
+    """The printed table: ms (useful TF/s) per method, the floor's time over each method's when
+    the floor ran, the largest N that fitted, and which forward kernel ran each branch."""
+    def cell(n, mode, m):
+        return next((r for r in rows if r["N"] == n and r["mode"] == mode and r["method"] == m), None)
+
+    def timing(r):
+        return f"{r['ms']:8.2f} ({r['tflops']:5.0f})" if r else "-"
+
+    def line(n, mode, texts):
+        return f"{n:>8} {mode:7} " + " ".join(f"{t:>16}" for t in texts)
+
+    header = f"{'N':>8} {'mode':7} " + " ".join(f"{m:>16}" for m in methods)
+    lines, ratios = [title, "cells: ms (useful TF/s)", header], []
+    for n in seq_lens:
+        for mode in modes:
+            cells = [cell(n, mode, m) for m in methods]
+            if any(cells):
+                lines.append(line(n, mode, [timing(r) for r in cells]))
+            floor = cell(n, mode, "floor")
+            if floor:
+                ratios.append(line(n, mode, [f"{floor['ms'] / r['ms']:.2f}" if r else "-"
+                                             for r in cells]))
+    if ratios:
+        lines += ["floor ms / method ms (1.00 = the floor's speed):", header] + ratios
+    lines.append("largest N that fitted: " + ", ".join(
+        f"{m} {md}: {n}" for (m, md), n in sorted(largest.items())))
+    if kernels:
+        lines.append("forward kernel per branch: " + "; ".join(kernels))
+    return "\n".join(lines)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -218,18 +250,8 @@ def main(argv=None):
         largest[key] = n
         torch.cuda.empty_cache()
 
-    header = f"{'N':>8} {'mode':7} " + " ".join(f"{m:>16}" for m in args.methods)
-    lines = [title, "cells: ms (useful TF/s); ratios to floor below", header]
-    for n in args.seq_lens:
-        for mode in modes:
-            cells = []
-            for m in args.methods:
-                r = next((r for r in rows if r["N"] == n and r["mode"] == mode and r["method"] == m), None)
-                cells.append(f"{r['ms']:8.2f} ({r['tflops']:5.0f})" if r else f"{'-':>16}")
-            if any(c.strip() != "-" for c in cells):
-                lines.append(f"{n:>8} {mode:7} " + " ".join(f"{c:>16}" for c in cells))
-    lines.append("largest N that fitted: " + ", ".join(f"{m} {md}: {n}" for (m, md), n in sorted(largest.items())))
-    text = "\n".join(lines)
+    text = format_table(rows, title, args.methods, args.seq_lens, modes, largest,
+                        gluon_forward.kernel_choices() if "triton" in args.methods else [])
     print(text)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write("```\n" + text + "\n```\n")

@@ -97,6 +97,13 @@ def _note(reason: str | None, plan) -> str | None:
     return reason
 
 
+def kernel_choices() -> list[str]:
+    """What this process's forwards ran, one line per branch and reason (for benchmark tables)."""
+    return sorted(f"({w}, {r}): " + ("Hopper kernel (Gluon)" if reason is None
+                                     else f"Triton kernel ({reason})")
+                  for reason, w, r in _logged)
+
+
 def unsupported(q, k, v, plan, *, is_causal: bool, mask_kind: int, dropout: bool,
                 scale: float) -> str | None:
     """None when the Hopper kernel can run this branch, else why not."""
