@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call for issue 4: the Triton lowering against the float64 reference, then the benchmark.
-#   bash scripts/gpu_issue4.sh   (OUT must be set; STEPS picks parts: check main scale hilbert d64)
+#   bash scripts/gpu_issue4.sh   (OUT must be set; STEPS picks parts: check main scale hilbert causal d64 sweep)
 export PYTHONPATH=.:tests PYTHONUNBUFFERED=1
 STEPS=${STEPS:-"check main"}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -16,6 +16,7 @@ for s in $STEPS; do
     main) timeout 540 $B --seq-lens 16384 65536 --mode both --methods floor triton sdpa dense flex --max-len flex=16384 --out $OUT ;;
     scale) mkdir -p /tmp/scale; timeout 300 $B --seq-lens 16384 65536 262144 1048576 --mode fwd --methods floor triton --out /tmp/scale; cat /tmp/scale/bench.md ;;
     hilbert) mkdir -p /tmp/h; for h in --hilbert --no-hilbert; do timeout 120 $B $h --seq-lens 65536 --mode both --methods triton floor --out /tmp/h; cat /tmp/h/bench.md; done ;;
+    causal) mkdir -p /tmp/c; for g in 1 0; do echo "HILBERT_FX_GLUON=$g"; HILBERT_FX_GLUON=$g timeout 150 $B --causal --seq-lens 65536 --mode both --methods triton floor --out /tmp/c > /dev/null 2>&1; cat /tmp/c/bench.md; done ;;
     d64) mkdir -p /tmp/d64; timeout 120 $B --head-dim 64 --seq-lens 65536 --mode fwd --methods floor triton --out /tmp/d64; cat /tmp/d64/bench.md ;;
     sweep)  # tile configurations of the Triton kernels at N = 64K (BLOCK_M,BLOCK_N,warps,stages)
        for c in 128,64,4,3 128,64,8,3 128,128,8,2 64,64,4,3 128,32,4,4; do
