@@ -180,7 +180,8 @@ def plot(rows, path, title):
 
 def format_table(rows, title, methods, seq_lens, modes, largest, kernels) -> str:
     """The printed table: ms (useful TF/s) per method, the floor's time over each method's when
-    the floor ran, the largest N that fitted, and which forward kernel ran each branch."""
+    the floor ran, the largest N that fitted, and which kernel ran each branch's forward and
+    backward."""
     def cell(n, mode, m):
         return next((r for r in rows if r["N"] == n and r["mode"] == mode and r["method"] == m), None)
 
@@ -206,7 +207,7 @@ def format_table(rows, title, methods, seq_lens, modes, largest, kernels) -> str
     lines.append("largest N that fitted: " + ", ".join(
         f"{m} {md}: {n}" for (m, md), n in sorted(largest.items())))
     if kernels:
-        lines.append("forward kernel per branch: " + "; ".join(kernels))
+        lines.append("kernel per branch: " + "; ".join(kernels))
     return "\n".join(lines)
 
 

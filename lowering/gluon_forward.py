@@ -81,8 +81,9 @@ def _whole_sets(plan) -> bool:
 _logged: set = set()
 
 
-def _note(reason: str | None, plan) -> str | None:
-    key = (reason, plan.segment_length, plan.dilation_rate)
+def _note(reason: str | None, plan, what: str = "forward") -> str | None:
+    """Logs, once per pass, reason and branch, which kernel runs `what` (forward or backward)."""
+    key = (what, reason, plan.segment_length, plan.dilation_rate)
     if key not in _logged and len(_logged) < 256:
         _logged.add(key)
         if log.parent is not None and log.parent.name == "hilbert_fx":
@@ -91,17 +92,18 @@ def _note(reason: str | None, plan) -> str | None:
             del log.parent.handlers[1:]
         where = f"branch ({plan.segment_length}, {plan.dilation_rate})"
         if reason is None:
-            log.info("%s forward: Hopper kernel (Gluon)", where)
+            log.info("%s %s: Hopper kernel (Gluon)", where, what)
         else:
-            log.info("%s forward: Triton kernel, not the Hopper one: %s", where, reason)
+            log.info("%s %s: Triton kernel, not the Hopper one: %s", where, what, reason)
     return reason
 
 
 def kernel_choices() -> list[str]:
-    """What this process's forwards ran, one line per branch and reason (for benchmark tables)."""
-    return sorted(f"({w}, {r}): " + ("Hopper kernel (Gluon)" if reason is None
-                                     else f"Triton kernel ({reason})")
-                  for reason, w, r in _logged)
+    """What this process's forwards and backwards ran, one line per branch, pass and reason
+    (for benchmark tables)."""
+    return sorted(f"({w}, {r}) {what}: " + ("Hopper kernel (Gluon)" if reason is None
+                                             else f"Triton kernel ({reason})")
+                  for what, reason, w, r in _logged)
 
 
 def unsupported(q, k, v, plan, *, is_causal: bool, mask_kind: int, dropout: bool,

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import gluon_forward
+from . import gluon_backward, gluon_forward
 from .dropout import keep_threshold
 from .plans import BranchPlan
 
@@ -472,6 +472,13 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
     # never zeroed (each launch reads only rows an earlier one wrote: _seen_rows).
     order, covers = _forward_order(plans)
     atomic = _use_atomic_dq()
+    hopper = [gluon_backward.unsupported(q, k, v, plan, is_causal=is_causal,
+                                         mask_kind=c["mask_kind"], dropout=c["dropout"],
+                                         scale=scale, deterministic=deterministic()) is None
+              for plan in order]
+    # dq in a zeroed float32 buffer that the Hopper kernel (and the Triton dK/dV kernel when
+    # `atomic`) adds to by atomics, and the Triton dq kernel reads wherever it writes
+    dq_zeroed = atomic or any(hopper)
     alone = covers and len(order) == 1  # FIRST and LAST: no float32 buffer at all
     grads = [torch.empty((b, h, n, dim) if covers else (0,), dtype=q.dtype, device=q.device)
              for h, dim in ((hq, d), (hkv, d), (hkv, dv))]  # written by the r == 1 branch
@@ -479,8 +486,9 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
         torch.empty(b, h, n, dim, dtype=torch.float32, device=q.device)
         for h, dim in ((hkv, d), (hkv, dv), (hq, d))]
     nothing = torch.empty(0, dtype=torch.uint8, device=q.device)  # Seen of a FIRST launch
-    if atomic:  # dQ added by float32 atomics from the dK/dV programs
+    if dq_zeroed:
         dq = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
+        every_q = torch.ones(hq, n, dtype=torch.uint8, device=q.device)  # dq's Seen
     common = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=c["block_d"], BLOCK_DV=c["block_dv"],
                   CAUSAL=bool(is_causal), MASK_KIND=c["mask_kind"], DROPOUT=c["dropout"],
                   UPCAST=c["upcast"], PRECISION=c["precision"],
@@ -492,6 +500,11 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
         pos, cnt, strided = _plan_tensors(plan, q.device)
         first, last = i == 0, covers and i == len(order) - 1
         seen_q, seen_kv = _seen_rows(order[:i], hq, hkv, q.device) if i else (nothing, nothing)
+        if hopper[i]:
+            gluon_backward.launch(q, k, v, dout, dq, dk, dvb, grads[1], grads[2], seen_kv, lse2,
+                                  delta, plan, pos, is_causal=is_causal, scale=scale, first=first,
+                                  last=last)
+            continue
         classes = min(plan.dilation_rate, group)
         scalars = (plan.segment_length, plan.dilation_rate, scale * LOG2E, scale, c["threshold"],
                    c["drop_scale"])
@@ -517,16 +530,18 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
             return dims
 
         _launch(kern._bwd_dq_kernel, q_grid, q_cfg, True,
-                q, k, v, dout, dq, grads[0], seen_q, lse2, delta, pos, cnt, c["mask"], c["seed"],
+                q, k, v, dout, dq, grads[0], every_q if dq_zeroed else seen_q, lse2, delta, pos,
+                cnt, c["mask"], c["seed"],
                 *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *c["mstrides"],
                 *pos.stride(), *cnt.stride(), hq, n, group, *scalars,
-                STRIDED=strided, FIRST=first, LAST=last, **common)
-    if not atomic and covers:
+                STRIDED=strided, FIRST=first and not dq_zeroed, LAST=last and not dq_zeroed,
+                **common)
+    if not dq_zeroed and covers:
         return tuple(grads)
     if covers:
         return dq.to(q.dtype), grads[1], grads[2]
     # no branch has every row: rows none wrote are 0
     seen_q, seen_kv = _seen_rows(order, hq, hkv, q.device)
-    dq = dq if atomic else torch.where(seen_q[:, :, None] != 0, dq, 0.0)
+    dq = dq if dq_zeroed else torch.where(seen_q[:, :, None] != 0, dq, 0.0)
     return (dq.to(q.dtype), torch.where(seen_kv[:, :, None] != 0, dk, 0.0).to(k.dtype),
             torch.where(seen_kv[:, :, None] != 0, dvb, 0.0).to(v.dtype))

@@ -40,6 +40,8 @@ CASES = [
     ("hopper one branch", 1, 2, 2, 512, 64, ((512, 1),), True, False, None),
     ("hopper causal", 1, 4, 2, 2048, 128, ((512, 1), (1024, 2), (2048, 4)), True, True, None),
     ("hopper causal id", 2, 4, 4, 1024, 64, ((256, 1), (1024, 8)), False, True, None),
+    # (512, 8) has sets of 64: the Triton kernels run it, the Hopper ones the others, in one call
+    ("hopper mixed kernels", 1, 4, 2, 1024, 128, ((256, 1), (512, 2), (512, 8)), True, False, None),
 ]
 
 
@@ -100,7 +102,7 @@ def main():
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
     device = args.device
-    # which forward kernel ran each branch (lowering/gluon_forward.py logs it once per reason)
+    # which kernel ran each branch's forward and backward (lowering/gluon_forward.py logs it once per reason)
     kernel_log = logging.getLogger("hilbert_fx.lowering")
     kernel_log.setLevel(logging.DEBUG)
     kernel_log.addHandler(logging.StreamHandler(sys.stdout))

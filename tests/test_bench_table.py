@@ -8,7 +8,7 @@ def test_table_has_times_ratios_to_the_floor_and_kernels():
             dict(N=2048, mode="fwd", method="triton", ms=5.0, tflops=400.0)]
     text = format_table(rows, "title", ["floor", "triton", "dense"], [1024, 2048], ["fwd"],
                         {("floor", "fwd"): 1024, ("triton", "fwd"): 2048},
-                        ["(64, 1): Hopper kernel (Gluon)"])
+                        ["(64, 1) forward: Hopper kernel (Gluon)"])
     lines = text.splitlines()
     assert lines[0] == "title"
     assert lines[3].split() == ["1024", "fwd", "2.00", "(", "500)", "2.50", "(", "400)", "-"]
@@ -17,4 +17,4 @@ def test_table_has_times_ratios_to_the_floor_and_kernels():
     assert lines[i + 2].split() == ["1024", "fwd", "1.00", "0.80", "-"]
     assert len(lines) == i + 5  # no ratio row where the floor did not run; N; kernels
     assert lines[-2] == "largest N that fitted: floor fwd: 1024, triton fwd: 2048"
-    assert lines[-1] == "forward kernel per branch: (64, 1): Hopper kernel (Gluon)"
+    assert lines[-1] == "kernel per branch: (64, 1) forward: Hopper kernel (Gluon)"

@@ -44,7 +44,7 @@ def test_not_used_on_cpu_or_when_turned_off(monkeypatch):
     why = gluon_forward.unsupported(q, q, q, plan, is_causal=False, mask_kind=0, dropout=False,
                                     scale=0.125)
     assert why == "not a compute capability 9.x GPU"
-    assert "(256, 1): Triton kernel (not a compute capability 9.x GPU)" in gluon_forward.kernel_choices()
+    assert "(256, 1) forward: Triton kernel (not a compute capability 9.x GPU)" in gluon_forward.kernel_choices()
     monkeypatch.setenv("HILBERT_FX_GLUON", "0")
     why = gluon_forward.unsupported(q, q, q, plan, is_causal=False, mask_kind=0, dropout=False,
                                     scale=0.125)

@@ -1,0 +1,88 @@
+"""When the Hopper backward kernel (lowering/gluon_backward_kernels.py) runs a branch, and its launch.
+
+lowering/triton_lowering.py's backward asks `unsupported(...)` for each branch: None means the
+branch's dq, dk, dv come from here, a string says why the Triton kernels compute them instead
+(logged once per reason, as the forward's choice is: lowering/gluon_forward.py). A branch runs
+here on the same terms as the Hopper forward (compute capability 9.x, Triton 3.6, float16 or
+bfloat16, head dims 64 and 128, no mask, no dropout, whole sets, q, k, v contiguous or
+[B, N, H, D] transposed), and not when deterministic algorithms are asked for: dq is added by
+float32 atomics in an order that varies.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import gluon_forward
+
+LOG2E = 1.4426950408889634
+CTA_KEYS = 128  # two consumers of 64 keys
+_TILES = dict(BLOCK_M=64, STAGES=2)
+# producer: one warp issuing TMA copies, or two issuing cp.async ones, as the forward's
+_TMA_PRODUCER = dict(PRODUCER_WARPS=1, PRODUCER_REGS=24, CONSUMER_REGS=240, num_warps=4)
+_GATHER_PRODUCER = dict(PRODUCER_WARPS=2, PRODUCER_REGS=56, CONSUMER_REGS=224, num_warps=4)
+
+_kernels = None
+
+
+def _load():
+    global _kernels
+    if _kernels is None:
+        from . import gluon_backward_kernels
+        _kernels = gluon_backward_kernels
+    return _kernels
+
+
+def unsupported(q, k, v, plan, *, is_causal: bool, mask_kind: int, dropout: bool, scale: float,
+                deterministic: bool) -> str | None:
+    """None when the Hopper kernel can run this branch's backward, else why not."""
+    reason = gluon_forward._unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale)
+    if reason is None and deterministic:
+        reason = "deterministic algorithms asked for (the Hopper kernel adds dq by atomics)"
+    return gluon_forward._note(reason, plan, "backward")
+
+
+def _descriptor(x, r: int, box: list[int]):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    view, *row_col = gluon_forward._view(x, r)
+    gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), box, layout), row_col
+
+
+def launch(q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2, delta, plan, positions, *,
+           is_causal: bool, scale: float, first: bool, last: bool) -> None:
+    """One branch's gradients, as lowering/triton_kernels.py's dK/dV and dq kernels would leave
+    them: dq (float32 [B, Hq, N, D], contiguous) gets this branch's share added by atomics; dk,
+    dv (float32 [B, Hkv, N, D]) or, when `last`, dk_final, dv_final (k's dtype) get the key rows
+    of its sets, plus what earlier branches left in dk, dv where `seen` ([Hkv, N] uint8) is set.
+    lse2 = lse * log2 e and delta = rowsum(dout * out), contiguous [B, Hq, N]."""
+    kern = _load()
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    w, r = plan.segment_length, plan.dilation_rate
+    group = hq // hkv
+    classes = min(r, group)
+    if gluon_forward._view(dout, r) is None or dout.data_ptr() % 16 or \
+            (not plan.is_strided and n * dout.stride(2) >= 2**31):
+        dout = dout.contiguous()
+    grid = ((w // r) // CTA_KEYS, n // w, b * hkv * classes)
+    bm = _TILES["BLOCK_M"]
+    if plan.is_strided:
+        tensors, coords = [], []
+        for x, box in ((q, [bm, d]), (k, [64, d]), (k, [CTA_KEYS, d // 2]), (v, [64, d]),
+                       (dout, [bm, d])):
+            desc, row_col = _descriptor(x, r, box)
+            tensors.append(desc)
+            if box[1] == d:  # the second descriptor of k shares the first's coordinates
+                coords += row_col
+        regs = dict(GATHER=False, **_TMA_PRODUCER)
+    else:
+        tensors = [q, k, k, v, dout]
+        coords = [s for x in (q, k, v, dout) for s in (*x.stride()[:3], 0)]
+        regs = dict(GATHER=True, **_GATHER_PRODUCER)
+    kern._bwd_kernel[grid](*tensors, dq, dk, dv, dk_final, dv_final, seen, lse2, delta, positions,
+                           scale * LOG2E, scale, hq, hkv, n, group, classes, w,
+                           positions.stride(0), positions.stride(1), *coords, R=r, HEAD_D=d,
+                           CAUSAL=bool(is_causal), FIRST=first, LAST=last, ONE_HEAD=group <= r,
+                           **_TILES, **regs)

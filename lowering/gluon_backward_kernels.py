@@ -1,0 +1,350 @@
+"""The Hopper backward kernel, in Gluon: FlashAttention-3's backward schedule for one branch (w, r).
+
+lowering/gluon_backward.py decides when it runs and launches it; everything else runs
+lowering/triton_kernels.py's _bwd_dkdv_kernel and _bwd_dq_kernel. Written for Triton 3.6's Gluon
+on sm_90, beside the forward (lowering/gluon_kernels.py), whose row addressing it shares.
+
+One CTA owns 128 keys of one selected set (64 for each of two consumers) and walks the set's
+query tiles (BLOCK_M = 64 rows) for every query head of its kv head that selects the set:
+
+- a producer partition loads the CTA's keys and values once (and the keys again as two column
+  halves [128, D/2], dQ's right-hand operand), then q and dout tiles into rings of STAGES slots
+  guarded by `ready` / `empty` mbarriers: TMA boxes of the forward's 2-D views for strided sets,
+  cp.async through the plan's positions (GATHER) for the Hilbert order's others;
+- two consumer warpgroups, per query tile, with P recomputed from the final lse (lse2 = lse *
+  log2 e) and delta = rowsum(dout * out) (lowering/triton_kernels.py's _bwd_preprocess):
+      S^T = K_c q^T,  dP^T = V_c dout^T           (asynchronous wgmma from shared memory)
+      P^T = exp2(S^T * scale * log2 e - lse2),  dS^T = P^T (dP^T - delta)
+      dV_c += P^T dout,  dK_c += dS^T q            (wgmma, P^T and dS^T from registers)
+  and each writes its dS^T into a shared [128, BLOCK_M] tile; once both have (an mbarrier),
+  consumer c computes dq[:, half c] = dS K[:, half c] over all 128 keys and adds it, times the
+  scale, into a float32 dq by relaxed atomics (Triton 3.6's Gluon has no TMA reduce-add).
+  Five products per (key tile, query tile), as FlashAttention-3 and cuDNN do.
+
+The end of a program adds its dK, dV rows into what the branches launched before left, as
+lowering/triton_kernels.py's _add_rows does: float32 buffers DK, DV read only at rows an earlier
+branch wrote (Seen), a LAST branch writing DKO, DVO in k's dtype. Key rows of different programs
+never overlap within a launch (query heads of a kv head that share an offset h % r are one
+program's loop), so dK and dV need no atomics; dq does, and is not bitwise repeatable.
+Causal: a key tile's query tiles start at its diagonal, whose two tiles are masked.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
+                                                              tma, warpgroup_mma, warpgroup_mma_wait)
+
+from .gluon_kernels import CONSUMERS, _gather_rows, _mma_layout
+
+KEYS = gl.constexpr(64)  # keys a consumer owns; a CTA owns CONSUMERS * KEYS
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, kd_desc, v_desc, do_desc, q_smem, k_smem, kd_smem, v_smem, do_smem,
+              kv_bar, q_ready, q_empty, do_ready, do_empty, k_row, k_col, v_row, v_col,
+              q_row, q_col, q_step_row, q_step_col, do_row, do_col, do_step_row, do_step_col,
+              t0, n_q, n_heads, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+              STAGES: gl.constexpr):
+    """One warp, TMA: the CTA's keys and values, then q and dout tiles t0 ... n_q - 1 of each of
+    n_heads heads (the next head's rows and columns step by q_step_row, q_step_col) into their
+    rings."""
+    mbarrier.expect(kv_bar, CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes
+                                         + kd_desc.block_type.nbytes))
+    for i in gl.static_range(CONSUMERS):
+        tma.async_copy_global_to_shared(k_desc, [k_row + i * KEYS, k_col], kv_bar, k_smem.index(i))
+        tma.async_copy_global_to_shared(v_desc, [v_row + i * KEYS, v_col], kv_bar, v_smem.index(i))
+        tma.async_copy_global_to_shared(kd_desc, [k_row, k_col + i * (HEAD_D // 2)], kv_bar,
+                                        kd_smem.index(i))
+    it = 0
+    for hi in range(n_heads):
+        for t in range(t0, n_q):
+            slot = it % STAGES
+            phase = ((it // STAGES) & 1) ^ 1  # the first round finds every slot free
+            mbarrier.wait(q_empty.index(slot), phase)
+            mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row + t * BLOCK_M, q_col],
+                                            q_ready.index(slot), q_smem.index(slot))
+            mbarrier.wait(do_empty.index(slot), phase)
+            mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [do_row + t * BLOCK_M, do_col],
+                                            do_ready.index(slot), do_smem.index(slot))
+            it += 1
+        q_row += q_step_row
+        q_col += q_step_col
+        do_row += do_step_row
+        do_col += do_step_col
+
+
+@gluon.jit
+def _gather_producer(Q, K, V, DO, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar, q_ready,
+                     q_empty, do_ready, do_empty, k_base, v_base, q_base, q_step, do_base, do_step,
+                     k_sn, v_sn, q_sn, do_sn, pos_set, key_first, t0, n_q, n_heads,
+                     BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                     PW: gl.constexpr):
+    """PW warps, cp.async through the plan's positions: the same rings as _producer; every
+    thread arrives on a `ready` barrier once its own copies have landed."""
+    for i in gl.static_range(CONSUMERS):
+        _gather_rows(k_smem.index(i), K + k_base, Pos, pos_set + key_first + i * KEYS, k_sn, KEYS,
+                     HEAD_D, PW)
+        _gather_rows(v_smem.index(i), V + v_base, Pos, pos_set + key_first + i * KEYS, v_sn, KEYS,
+                     HEAD_D, PW)
+        _gather_rows(kd_smem.index(i), K + k_base + i * (HEAD_D // 2), Pos, pos_set + key_first,
+                     k_sn, CONSUMERS * KEYS, HEAD_D // 2, PW)
+    async_copy.mbarrier_arrive(kv_bar, increment_count=False)
+    it = 0
+    for hi in range(n_heads):
+        for t in range(t0, n_q):
+            slot = it % STAGES
+            phase = ((it // STAGES) & 1) ^ 1
+            mbarrier.wait(q_empty.index(slot), phase)
+            _gather_rows(q_smem.index(slot), Q + q_base, Pos, pos_set + t * BLOCK_M, q_sn, BLOCK_M,
+                         HEAD_D, PW)
+            async_copy.mbarrier_arrive(q_ready.index(slot), increment_count=False)
+            mbarrier.wait(do_empty.index(slot), phase)
+            _gather_rows(do_smem.index(slot), DO + do_base, Pos, pos_set + t * BLOCK_M, do_sn,
+                         BLOCK_M, HEAD_D, PW)
+            async_copy.mbarrier_arrive(do_ready.index(slot), increment_count=False)
+            it += 1
+        q_base += q_step
+        do_base += do_step
+
+
+@gluon.jit
+def _add_rows(acc, Buf, Final, Seen, seen_idx, offs, FIRST: gl.constexpr, LAST: gl.constexpr):
+    """acc (float32 rows of a gradient; offs their elements) plus what the branches launched
+    before left in Buf at the rows Seen marks, into Buf, or when LAST into Final in its dtype."""
+    if not FIRST:
+        seen = gl.expand_dims(gl.load(Seen + seen_idx) != 0, 1) & (offs >= 0)
+        acc += gl.load(Buf + offs, mask=seen, other=0.0)
+    if LAST:
+        gl.store(Final + offs, acc.to(Final.dtype.element_ty))
+    else:
+        gl.store(Buf + offs, acc)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty,
+              do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
+              qk_scale, sm_scale, q_head_row, q_head_step, kv_head_row, seen_row, set_row, pos_set,
+              key_first, t0, n_q, n_heads, R: gl.constexpr, CID: gl.constexpr, NW: gl.constexpr,
+              BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+              GATHER: gl.constexpr, CAUSAL: gl.constexpr, FIRST: gl.constexpr,
+              LAST: gl.constexpr):
+    """Keys key_first + CID * KEYS + [0, KEYS) of the set, over query tiles t0 ... n_q - 1 of
+    n_heads heads. Flat rows (of a query head in Lse2, Delta, DQ; of the kv head in DK, DV):
+    member m of the set is set_row + m * R past the head's first row, or Pos[pos_set + m]
+    (GATHER). Offsets within a head are int32 (gluon_backward checks N * D < 2**31)."""
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = _mma_layout(NW, BLOCK_M)         # S^T, dP^T: [KEYS, BLOCK_M]
+    acc_layout: gl.constexpr = _mma_layout(NW, HEAD_D)        # dK, dV: [KEYS, HEAD_D]
+    dq_layout: gl.constexpr = _mma_layout(NW, HEAD_D // 2)    # a dq half: [BLOCK_M, HEAD_D / 2]
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+    # lse2 and delta are loaded one value a thread and spread over the columns only when used:
+    # held in the column layout across the products they spilled registers at D = 128.
+    vec_l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    dq_rows_l: gl.constexpr = gl.SliceLayout(1, dq_layout)
+    k_tile = k_smem.index(CID)
+    v_tile = v_smem.index(CID)
+    kd_tile = kd_smem.index(CID)
+    dk = gl.zeros([KEYS, HEAD_D], gl.float32, acc_layout)
+    dv = gl.zeros([KEYS, HEAD_D], gl.float32, acc_layout)
+    s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
+    dq_zero = gl.zeros([BLOCK_M, HEAD_D // 2], gl.float32, dq_layout)
+    q_members = gl.arange(0, BLOCK_M, layout=vec_l)
+    dq_members = gl.arange(0, BLOCK_M, layout=dq_rows_l)
+    dq_cols = gl.expand_dims(CID * (HEAD_D // 2)
+                             + gl.arange(0, HEAD_D // 2, layout=gl.SliceLayout(0, dq_layout)), 0)
+    if not GATHER:  # a tile's rows past its first: the same for every tile
+        q_offs = q_members * R
+        dq_offs = gl.expand_dims(dq_members * (R * HEAD_D), 1) + dq_cols
+    keys = key_first + CID * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+    mbarrier.wait(kv_bar, 0)
+    it = 0
+    for hi in range(n_heads):
+        head_row = q_head_row + hi * q_head_step
+        for t in range(t0, n_q):
+            slot = it % STAGES
+            phase = (it // STAGES) & 1
+            if GATHER:
+                pos = gl.load(Pos + pos_set + t * BLOCK_M + q_members)
+                lse = gl.load(Lse2 + head_row + pos)
+                dl = gl.load(Delta + head_row + pos)
+            else:
+                tile_row = head_row + set_row + t * (BLOCK_M * R)
+                lse = gl.load(Lse2 + tile_row + q_offs)
+                dl = gl.load(Delta + tile_row + q_offs)
+            mbarrier.wait(q_ready.index(slot), phase)
+            if GATHER:
+                fence_async_shared()
+            s_tok = warpgroup_mma(k_tile, q_smem.index(slot).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            mbarrier.wait(do_ready.index(slot), phase)
+            if GATHER:
+                fence_async_shared()
+            dp_tok = warpgroup_mma(v_tile, do_smem.index(slot).permute((1, 0)), s_zero,
+                                   use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            p = gl.exp2(s * qk_scale - gl.expand_dims(gl.convert_layout(lse, col_l), 0))
+            if CAUSAL:
+                if t - t0 < 2:  # the diagonal's two tiles: keys after their query get nothing
+                    queries = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_l)
+                    p = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0), p, 0.0)
+            dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+            ds16 = (p * (dp - gl.expand_dims(gl.convert_layout(dl, col_l), 0))).to(dtype)
+            buf = it % 2
+            ds_smem.index(buf).slice(CID * KEYS, KEYS).store(ds16)
+            fence_async_shared()
+            gl.thread_barrier()  # every thread's dS^T rows stored and fenced before the arrival
+            mbarrier.arrive(ds_bar.index(buf), count=1)
+            p16 = gl.convert_layout(p.to(dtype), a_layout)
+            ds16a = gl.convert_layout(ds16, a_layout)
+            dv_tok = warpgroup_mma(p16, do_smem.index(slot), dv, is_async=True)
+            dk_tok = warpgroup_mma(ds16a, q_smem.index(slot), dk, is_async=True)
+            mbarrier.wait(ds_bar.index(buf), (it // 2) & 1)
+            dq_tok = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), kd_tile, dq_zero,
+                                   use_acc=False, is_async=True)
+            dv, dk, p16_used, ds_used = warpgroup_mma_wait(1, deps=(dv_tok, dk_tok, p16, ds16a))
+            mbarrier.arrive(q_empty.index(slot), count=1)
+            mbarrier.arrive(do_empty.index(slot), count=1)
+            dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
+            if GATHER:
+                dq_pos = gl.load(Pos + pos_set + t * BLOCK_M + dq_members)
+                dq_ptrs = DQ + head_row * HEAD_D + (gl.expand_dims(dq_pos * HEAD_D, 1) + dq_cols)
+            else:
+                dq_ptrs = DQ + tile_row * HEAD_D + dq_offs
+            gl.atomic_add(dq_ptrs, dq * sm_scale, sem="relaxed")
+            it += 1
+    rows_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    members = key_first + CID * KEYS + gl.arange(0, KEYS, layout=rows_l)
+    if GATHER:
+        krow = gl.load(Pos + pos_set + members)
+    else:
+        krow = set_row + members * R
+    offs = (gl.expand_dims(krow * HEAD_D, 1)
+            + gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout)), 0))
+    base = kv_head_row * HEAD_D
+    _add_rows(dk * sm_scale, DK + base, DKO + base, Seen, seen_row + krow, offs, FIRST, LAST)
+    _add_rows(dv, DV + base, DVO + base, Seen, seen_row + krow, offs, FIRST, LAST)
+
+
+@gluon.jit
+def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos, qk_scale,
+                sm_scale, H, HKV, N, GROUP, NUM_CLASSES, W, stride_po, stride_ps,
+                QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, OA, OB, OC, OD,
+                R: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+                STAGES: gl.constexpr, GATHER: gl.constexpr, CAUSAL: gl.constexpr,
+                FIRST: gl.constexpr, LAST: gl.constexpr, ONE_HEAD: gl.constexpr,
+                PRODUCER_WARPS: gl.constexpr,
+                PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                num_warps: gl.constexpr):
+    """Grid (set length / 128, segments, B * HKV * NUM_CLASSES): the key tile runs fastest.
+    Program (tile, j, (b, g, cls)) owns keys tile * 128 + [0, 128) of set j of kv head g with
+    offset o = (g * GROUP + cls) % R, for query heads g * GROUP + cls + i * R of the group.
+
+    Strided sets (not GATHER): Qx, Kx, KDx, Vx, DOx are TMA descriptors of the forward's 2-D
+    views (lowering/gluon_forward._view) and (A, B, C, D) of q, k, v, dout their (RB, RH, CH,
+    CO): member m of set j of head x is row b*RB + x*RH + j*(w/r) + m, column o*CO + x*CH.
+    GATHER: the tensors (KDx is Kx), (A, B, C) their batch, head and row strides, and member m is
+    at Pos[o, j, m]. Lse2, Delta, DQ are contiguous over [B, H, N], DK, DV, DKO, DVO over
+    [B, HKV, N], Seen over [HKV, N]."""
+    key_tile = gl.program_id(0)
+    seg = gl.program_id(1)
+    pid = gl.program_id(2)
+    cls = pid % NUM_CLASSES
+    bg = pid // NUM_CLASSES
+    b = bg // HKV
+    g = bg % HKV
+    h = g * GROUP + cls  # the first query head of the program; the others step by R
+    off = h % R
+    n_heads = 1 if ONE_HEAD else (GROUP - cls + R - 1) // R  # ONE_HEAD: GROUP <= R
+    set_len = W // R
+    key_first = key_tile * (CONSUMERS * KEYS)
+    t0 = 0
+    if CAUSAL:  # query tiles from the key tile's diagonal on
+        t0 = key_first // BLOCK_M
+    n_q = set_len // BLOCK_M
+    q_head_row = (b * H + h).to(gl.int64) * N
+    kv_head_row = bg.to(gl.int64) * N
+    set_row = seg * W + off
+    if GATHER:
+        dtype: gl.constexpr = Qx.dtype.element_ty
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
+        k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HEAD_D], dtype)
+        kd_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CONSUMERS * KEYS, HEAD_D // 2],
+                                                                   dtype)
+        arrivals: gl.constexpr = PRODUCER_WARPS * 32  # every producer thread arrives
+        pos_set = off * stride_po + seg * stride_ps
+    else:
+        dtype: gl.constexpr = Qx.dtype
+        q_sl: gl.constexpr = Qx.layout
+        k_sl: gl.constexpr = Kx.layout
+        kd_sl: gl.constexpr = KDx.layout
+        arrivals: gl.constexpr = 1
+        pos_set = 0
+    ds_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CONSUMERS * KEYS, BLOCK_M], dtype)
+
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_sl)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_sl)
+    k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, KEYS, HEAD_D], k_sl)
+    v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, KEYS, HEAD_D], k_sl)
+    kd_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, CONSUMERS * KEYS, HEAD_D // 2], kd_sl)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, CONSUMERS * KEYS, BLOCK_M], ds_sl)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=arrivals)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=arrivals)
+        mbarrier.init(do_ready.index(i), count=arrivals)
+        mbarrier.init(q_empty.index(i), count=CONSUMERS)
+        mbarrier.init(do_empty.index(i), count=CONSUMERS)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_bar.index(i), count=CONSUMERS)
+    fence_async_shared()
+
+    # Triton 3.6: the argument tuples must be written inline (lowering/gluon_kernels.py)
+    if GATHER:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready,
+                         q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2,
+                         Delta, Pos, qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N,
+                         set_row, pos_set, key_first, t0, n_q, n_heads, R, 0, num_warps, BLOCK_M,
+                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST)),
+            (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready,
+                         q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2,
+                         Delta, Pos, qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N,
+                         set_row, pos_set, key_first, t0, n_q, n_heads, R, 1, num_warps, BLOCK_M,
+                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST)),
+            (_gather_producer, (Qx, Kx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
+                                kv_bar, q_ready, q_empty, do_ready, do_empty,
+                                b.to(gl.int64) * KA + g.to(gl.int64) * KB,
+                                b.to(gl.int64) * VA + g.to(gl.int64) * VB,
+                                b.to(gl.int64) * QA + h.to(gl.int64) * QB, R * QB,
+                                b.to(gl.int64) * OA + h.to(gl.int64) * OB, R * OB,
+                                KC, VC, QC, OC, pos_set, key_first, t0, n_q, n_heads, BLOCK_M,
+                                HEAD_D, STAGES, PRODUCER_WARPS)),
+        ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        member = seg * set_len  # row of the set's first member in the 2-D views
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready,
+                         q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2,
+                         Delta, Pos, qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N,
+                         set_row, pos_set, key_first, t0, n_q, n_heads, R, 0, num_warps, BLOCK_M,
+                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST)),
+            (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready,
+                         q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2,
+                         Delta, Pos, qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N,
+                         set_row, pos_set, key_first, t0, n_q, n_heads, R, 1, num_warps, BLOCK_M,
+                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST)),
+            (_producer, (Qx, Kx, KDx, Vx, DOx, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar,
+                         q_ready, q_empty, do_ready, do_empty,
+                         b * KA + g * KB + member + key_first, off * KD + g * KC,
+                         b * VA + g * VB + member + key_first, off * VD + g * VC,
+                         b * QA + h * QB + member, off * QD + h * QC, R * QB, R * QC,
+                         b * OA + h * OB + member, off * OD + h * OC, R * OB, R * OC,
+                         t0, n_q, n_heads, BLOCK_M, HEAD_D, STAGES)),
+        ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
