@@ -17,9 +17,11 @@ from . import gluon_forward
 LOG2E = 1.4426950408889634
 CTA_KEYS = 128  # two consumers of 64 keys
 _TILES = dict(BLOCK_M=64, STAGES=2)
-# producer: one warp issuing TMA copies, or two issuing cp.async ones, as the forward's
+# producer: one warp issuing TMA copies, or two issuing cp.async ones; with 40 registers for the
+# cp.async producer (232 for consumers) the backward took 13.97 ms against 14.35 with the forward's
+# 56/224 at N = 64K in the Hilbert order (H200, scripts/explore_hilbert_gather.py)
 _TMA_PRODUCER = dict(PRODUCER_WARPS=1, PRODUCER_REGS=24, CONSUMER_REGS=240, num_warps=4)
-_GATHER_PRODUCER = dict(PRODUCER_WARPS=2, PRODUCER_REGS=56, CONSUMER_REGS=224, num_warps=4)
+_GATHER_PRODUCER = dict(PRODUCER_WARPS=2, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4)
 
 _kernels = None
 
@@ -68,19 +70,20 @@ def launch(q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2, delta, pla
         dout = dout.contiguous()
     grid = ((w // r) // CTA_KEYS, n // w, b * hkv * classes)
     bm = _TILES["BLOCK_M"]
-    if plan.is_strided:
+    run = gluon_forward.plan_run(plan)
+    if plan.is_strided or run:
         tensors, coords = [], []
-        for x, box in ((q, [bm, d]), (k, [64, d]), (k, [CTA_KEYS, d // 2]), (v, [64, d]),
-                       (dout, [bm, d])):
+        for x, box in ((q, [run or bm, d]), (k, [run or 64, d]), (k, [run or CTA_KEYS, d // 2]),
+                       (v, [run or 64, d]), (dout, [run or bm, d])):
             desc, row_col = _descriptor(x, r, box)
             tensors.append(desc)
             if box[1] == d:  # the second descriptor of k shares the first's coordinates
                 coords += row_col
-        regs = dict(GATHER=False, **_TMA_PRODUCER)
+        regs = dict(GATHER=not plan.is_strided, RUN=run, **_TMA_PRODUCER)
     else:
         tensors = [q, k, k, v, dout]
         coords = [s for x in (q, k, v, dout) for s in (*x.stride()[:3], 0)]
-        regs = dict(GATHER=True, **_GATHER_PRODUCER)
+        regs = dict(GATHER=True, RUN=0, **_GATHER_PRODUCER)
     kern._bwd_kernel[grid](*tensors, dq, dk, dv, dk_final, dv_final, seen, lse2, delta, positions,
                            scale * LOG2E, scale, hq, hkv, n, group, classes, w,
                            positions.stride(0), positions.stride(1), *coords, R=r, HEAD_D=d,

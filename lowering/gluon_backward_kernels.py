@@ -33,7 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                               tma, warpgroup_mma, warpgroup_mma_wait)
 
-from .gluon_kernels import CONSUMERS, _gather_rows, _mma_layout
+from .gluon_kernels import CONSUMERS, _gather_rows, _mma_layout, _run_rows
 
 KEYS = gl.constexpr(64)  # keys a consumer owns; a CTA owns CONSUMERS * KEYS
 
@@ -109,6 +109,44 @@ def _gather_producer(Q, K, V, DO, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
 
 
 @gluon.jit
+def _run_producer(q_desc, k_desc, kd_desc, v_desc, do_desc, Pos, q_smem, k_smem, kd_smem, v_smem,
+                  do_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, k_row, k_col, v_row,
+                  v_col, q_row, q_col, q_step_row, q_step_col, do_row, do_col, do_step_row,
+                  do_step_col, KCO, VCO, QCO, OCO, pos_set, key_first, t0, n_q, n_heads,
+                  R: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+                  STAGES: gl.constexpr, RUN: gl.constexpr):
+    """One warp, for Hilbert-order sets whose members come in stride-R runs of RUN (the
+    forward's _run_producer): _producer's rings, filled by TMA boxes of RUN rows."""
+    mbarrier.expect(kv_bar, CONSUMERS * KEYS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes
+                                                + CONSUMERS * kd_desc.block_type.nbytes) // RUN)
+    for i in gl.static_range(CONSUMERS):
+        _run_rows(k_desc, k_smem.index(i), kv_bar, Pos, pos_set + key_first + i * KEYS, k_row,
+                  k_col, KCO, R, KEYS, RUN)
+        _run_rows(v_desc, v_smem.index(i), kv_bar, Pos, pos_set + key_first + i * KEYS, v_row,
+                  v_col, VCO, R, KEYS, RUN)
+        _run_rows(kd_desc, kd_smem.index(i), kv_bar, Pos, pos_set + key_first, k_row,
+                  k_col + i * (HEAD_D // 2), KCO, R, CONSUMERS * KEYS, RUN)
+    it = 0
+    for hi in range(n_heads):
+        for t in range(t0, n_q):
+            slot = it % STAGES
+            phase = ((it // STAGES) & 1) ^ 1
+            mbarrier.wait(q_empty.index(slot), phase)
+            mbarrier.expect(q_ready.index(slot), BLOCK_M * q_desc.block_type.nbytes // RUN)
+            _run_rows(q_desc, q_smem.index(slot), q_ready.index(slot), Pos, pos_set + t * BLOCK_M,
+                      q_row, q_col, QCO, R, BLOCK_M, RUN)
+            mbarrier.wait(do_empty.index(slot), phase)
+            mbarrier.expect(do_ready.index(slot), BLOCK_M * do_desc.block_type.nbytes // RUN)
+            _run_rows(do_desc, do_smem.index(slot), do_ready.index(slot), Pos,
+                      pos_set + t * BLOCK_M, do_row, do_col, OCO, R, BLOCK_M, RUN)
+            it += 1
+        q_row += q_step_row
+        q_col += q_step_col
+        do_row += do_step_row
+        do_col += do_step_col
+
+
+@gluon.jit
 def _add_rows(acc, Buf, Final, Seen, seen_idx, offs, FIRST: gl.constexpr, LAST: gl.constexpr):
     """acc (float32 rows of a gradient; offs their elements) plus what the branches launched
     before left in Buf at the rows Seen marks, into Buf, or when LAST into Final in its dtype."""
@@ -128,11 +166,12 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
               key_first, t0, n_q, n_heads, R: gl.constexpr, CID: gl.constexpr, NW: gl.constexpr,
               BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
               GATHER: gl.constexpr, CAUSAL: gl.constexpr, FIRST: gl.constexpr,
-              LAST: gl.constexpr):
+              LAST: gl.constexpr, CP_ASYNC: gl.constexpr):
     """Keys key_first + CID * KEYS + [0, KEYS) of the set, over query tiles t0 ... n_q - 1 of
     n_heads heads. Flat rows (of a query head in Lse2, Delta, DQ; of the kv head in DK, DV):
     member m of the set is set_row + m * R past the head's first row, or Pos[pos_set + m]
-    (GATHER). Offsets within a head are int32 (gluon_backward checks N * D < 2**31)."""
+    (GATHER). Offsets within a head are int32 (gluon_backward checks N * D < 2**31). CP_ASYNC:
+    the rings were written by cp.async, which wgmma reads only after a proxy fence."""
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = _mma_layout(NW, BLOCK_M)         # S^T, dP^T: [KEYS, BLOCK_M]
     acc_layout: gl.constexpr = _mma_layout(NW, HEAD_D)        # dK, dV: [KEYS, HEAD_D]
@@ -174,12 +213,12 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
                 lse = gl.load(Lse2 + tile_row + q_offs)
                 dl = gl.load(Delta + tile_row + q_offs)
             mbarrier.wait(q_ready.index(slot), phase)
-            if GATHER:
+            if CP_ASYNC:
                 fence_async_shared()
             s_tok = warpgroup_mma(k_tile, q_smem.index(slot).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
             mbarrier.wait(do_ready.index(slot), phase)
-            if GATHER:
+            if CP_ASYNC:
                 fence_async_shared()
             dp_tok = warpgroup_mma(v_tile, do_smem.index(slot).permute((1, 0)), s_zero,
                                    use_acc=False, is_async=True)
@@ -234,7 +273,7 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
                 R: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
                 STAGES: gl.constexpr, GATHER: gl.constexpr, CAUSAL: gl.constexpr,
                 FIRST: gl.constexpr, LAST: gl.constexpr, ONE_HEAD: gl.constexpr,
-                PRODUCER_WARPS: gl.constexpr,
+                RUN: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 num_warps: gl.constexpr):
     """Grid (set length / 128, segments, B * HKV * NUM_CLASSES): the key tile runs fastest.
@@ -244,8 +283,9 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     Strided sets (not GATHER): Qx, Kx, KDx, Vx, DOx are TMA descriptors of the forward's 2-D
     views (lowering/gluon_forward._view) and (A, B, C, D) of q, k, v, dout their (RB, RH, CH,
     CO): member m of set j of head x is row b*RB + x*RH + j*(w/r) + m, column o*CO + x*CH.
-    GATHER: the tensors (KDx is Kx), (A, B, C) their batch, head and row strides, and member m is
-    at Pos[o, j, m]. Lse2, Delta, DQ are contiguous over [B, H, N], DK, DV, DKO, DVO over
+    GATHER: member m is at Pos[o, j, m]; the tensors (KDx is Kx) and (A, B, C) their batch, head
+    and row strides, or, when RUN > 0 (members in stride-R runs of RUN), descriptors as above
+    with boxes of RUN rows. Lse2, Delta, DQ are contiguous over [B, H, N], DK, DV, DKO, DVO over
     [B, HKV, N], Seen over [HKV, N]."""
     key_tile = gl.program_id(0)
     seg = gl.program_id(1)
@@ -267,12 +307,16 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     kv_head_row = bg.to(gl.int64) * N
     set_row = seg * W + off
     if GATHER:
-        dtype: gl.constexpr = Qx.dtype.element_ty
+        if RUN:
+            dtype: gl.constexpr = Qx.dtype
+            arrivals: gl.constexpr = 1
+        else:
+            dtype: gl.constexpr = Qx.dtype.element_ty
+            arrivals: gl.constexpr = PRODUCER_WARPS * 32  # every producer thread arrives
         q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
         k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HEAD_D], dtype)
         kd_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CONSUMERS * KEYS, HEAD_D // 2],
                                                                    dtype)
-        arrivals: gl.constexpr = PRODUCER_WARPS * 32  # every producer thread arrives
         pos_set = off * stride_po + seg * stride_ps
     else:
         dtype: gl.constexpr = Qx.dtype
@@ -306,18 +350,18 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     fence_async_shared()
 
     # Triton 3.6: the argument tuples must be written inline (lowering/gluon_kernels.py)
-    if GATHER:
+    if GATHER and RUN == 0:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready,
                          q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2,
                          Delta, Pos, qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N,
                          set_row, pos_set, key_first, t0, n_q, n_heads, R, 0, num_warps, BLOCK_M,
-                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST)),
+                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST, True)),
             (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready,
                          q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2,
                          Delta, Pos, qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N,
                          set_row, pos_set, key_first, t0, n_q, n_heads, R, 1, num_warps, BLOCK_M,
-                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST)),
+                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST, True)),
             (_gather_producer, (Qx, Kx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
                                 kv_bar, q_ready, q_empty, do_ready, do_empty,
                                 b.to(gl.int64) * KA + g.to(gl.int64) * KB,
@@ -327,6 +371,24 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
                                 KC, VC, QC, OC, pos_set, key_first, t0, n_q, n_heads, BLOCK_M,
                                 HEAD_D, STAGES, PRODUCER_WARPS)),
         ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    elif GATHER:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready,
+                         q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2,
+                         Delta, Pos, qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N,
+                         set_row, pos_set, key_first, t0, n_q, n_heads, R, 0, num_warps, BLOCK_M,
+                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST, False)),
+            (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready,
+                         q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2,
+                         Delta, Pos, qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N,
+                         set_row, pos_set, key_first, t0, n_q, n_heads, R, 1, num_warps, BLOCK_M,
+                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST, False)),
+            (_run_producer, (Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
+                             kv_bar, q_ready, q_empty, do_ready, do_empty, b * KA + g * KB, g * KC,
+                             b * VA + g * VB, g * VC, b * QA + h * QB, h * QC, R * QB, R * QC,
+                             b * OA + h * OB, h * OC, R * OB, R * OC, KD, VD, QD, OD, pos_set,
+                             key_first, t0, n_q, n_heads, R, BLOCK_M, HEAD_D, STAGES, RUN)),
+        ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         member = seg * set_len  # row of the set's first member in the 2-D views
         gl.warp_specialize([
@@ -334,12 +396,12 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
                          q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2,
                          Delta, Pos, qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N,
                          set_row, pos_set, key_first, t0, n_q, n_heads, R, 0, num_warps, BLOCK_M,
-                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST)),
+                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST, False)),
             (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready,
                          q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2,
                          Delta, Pos, qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N,
                          set_row, pos_set, key_first, t0, n_q, n_heads, R, 1, num_warps, BLOCK_M,
-                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST)),
+                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST, False)),
             (_producer, (Qx, Kx, KDx, Vx, DOx, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar,
                          q_ready, q_empty, do_ready, do_empty,
                          b * KA + g * KB + member + key_first, off * KD + g * KC,

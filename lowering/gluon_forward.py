@@ -10,8 +10,9 @@ versions run the Triton kernels, with the reason logged), for float16 and bfloat
 and 128 (v's the same), causal or not, no mask, no dropout, a scale >= 0 (> 0 when causal),
 whole sets (N % w == 0, w / r a multiple of 128), and q, k, v each contiguous or a [B, N, H, D]
 tensor transposed. Sets reached by strides (the identity order, or r == 1 in any order) are read
-by TMA, the Hilbert order's others by cp.async through the plan's positions. HILBERT_FX_GLUON=0
-turns it off.
+by TMA, and so are the Hilbert order's sets made of runs of stride r (`plan_run`: its r = 2 sets);
+its others by cp.async through the plan's positions. HILBERT_FX_GLUON=0 turns the Hopper kernels
+off, HILBERT_FX_GLUON_RUNS=0 the TMA copies of runs.
 """
 from __future__ import annotations
 
@@ -76,6 +77,31 @@ def _whole_sets(plan) -> bool:
                  and bool((plan.counts == w // r).all()))
         object.__setattr__(plan, "_whole_sets", whole)  # plans are frozen and cached
     return whole
+
+
+RUN_LENGTHS = (64, 32, 16, 8)  # boxes of at least 8 rows keep the 128-byte swizzle's alignment
+
+
+def plan_run(plan) -> int:
+    """The longest RUN_LENGTHS entry L such that every L consecutive members of every set
+    (from member 0 on) are a stride-r run of positions p, p + r, ..., p + (L-1) r, which TMA
+    copies as one box of the 2-D view; 0 for none, or for strided plans (cached on the plan).
+    Hilbert's r = 2 sets are a checkerboard of its grid, so each grid row's members are such a
+    run: at N = 64K, L = 32 for w = 4096 (a 64-wide grid); r = 4 and 8 have none."""
+    run = getattr(plan, "_run", None)
+    if run is None:
+        run = 0
+        if not plan.is_strided and os.environ.get("HILBERT_FX_GLUON_RUNS", "1") not in ("0", ""):
+            pos, r, m = plan.positions, plan.dilation_rate, plan.set_size
+            for length in RUN_LENGTHS:
+                if m % length == 0:
+                    chunks = pos.reshape(r, -1, m // length, length)
+                    steps = torch.arange(length, device=pos.device) * r
+                    if bool((chunks - chunks[..., :1] == steps).all()):
+                        run = length
+                        break
+        object.__setattr__(plan, "_run", run)  # plans are frozen and cached
+    return run
 
 
 _logged: set = set()
@@ -153,20 +179,21 @@ def launch(q, k, v, out, acc, lse, plan, positions, *, is_causal: bool, scale: f
     w, r = plan.segment_length, plan.dilation_rate
     tiles = _TILES[d]
     grid = ((w // r) // CTA_ROWS, n // w, b * hq)
-    if plan.is_strided:
+    run = plan_run(plan)
+    if plan.is_strided or run:
         gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
         tensors, coords = [], []
         for x, rows in ((q, tiles["BLOCK_M"]), (k, tiles["BLOCK_N"]), (v, tiles["BLOCK_N"])):
             view, *row_col = _view(x, r)
-            block = [rows, d]
+            block = [run or rows, d]
             layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
             tensors.append(TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout))
             coords += row_col
-        regs = dict(GATHER=False, **_TMA_PRODUCER)
+        regs = dict(GATHER=not plan.is_strided, RUN=run, **_TMA_PRODUCER)
     else:
         tensors = [q, k, v]
         coords = [s for x in (q, k, v) for s in (*x.stride()[:3], 0)]
-        regs = dict(GATHER=True, **_GATHER_PRODUCER)
+        regs = dict(GATHER=True, RUN=0, **_GATHER_PRODUCER)
     kern._fwd_kernel[grid](*tensors, out, acc, lse, positions, scale * LOG2E, hq, n,
                            hq // k.shape[1], r, w, positions.stride(0), positions.stride(1),
                            *coords, FIRST=first, LAST=last, CAUSAL=bool(is_causal), HEAD_D=d,

@@ -112,6 +112,43 @@ def _gather_producer(Q, K, V, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_emp
 
 
 @gluon.jit
+def _run_rows(desc, dst, bar, Pos, first, row0, col0, CO, R, ROWS: gl.constexpr,
+              RUN: gl.constexpr):
+    """TMA copies of members Pos[first + i] (i < ROWS) into dst [ROWS, D], RUN at a time: each
+    RUN consecutive members of the set form a stride-R run of positions p, p + R, ..., which are
+    consecutive rows of the 2-D view (row row0 + p // R, column col0 + (p % R) * CO)."""
+    for c in gl.static_range(ROWS // RUN):
+        p = gl.load(Pos + first + c * RUN)
+        tma.async_copy_global_to_shared(desc, [row0 + p // R, col0 + (p % R) * CO], bar,
+                                        dst.slice(c * RUN, RUN))
+
+
+@gluon.jit
+def _run_producer(q_desc, k_desc, v_desc, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                  v_ready, v_empty, q_row, q_col, k_row, k_col, v_row, v_col, QCO, KCO, VCO, R,
+                  pos_set, q_first, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, RUN: gl.constexpr):
+    """One warp, for Hilbert-order sets whose members come in runs of RUN (Hilbert's r = 2 sets
+    are a checkerboard: each grid row's members are a stride-2 run): _producer's rings, filled by
+    TMA boxes of RUN rows (plan_runs in gluon_forward.py says when)."""
+    mbarrier.expect(q_bar, CONSUMERS * BLOCK_M * q_desc.block_type.nbytes // RUN)
+    for i in gl.static_range(CONSUMERS):
+        _run_rows(q_desc, q_smem.index(i), q_bar, Pos, pos_set + q_first + i * BLOCK_M, q_row,
+                  q_col, QCO, R, BLOCK_M, RUN)
+    for t in range(n_tiles):
+        slot = t % STAGES
+        phase = ((t // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), BLOCK_N * k_desc.block_type.nbytes // RUN)
+        _run_rows(k_desc, k_smem.index(slot), k_ready.index(slot), Pos, pos_set + t * BLOCK_N,
+                  k_row, k_col, KCO, R, BLOCK_N, RUN)
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), BLOCK_N * v_desc.block_type.nbytes // RUN)
+        _run_rows(v_desc, v_smem.index(slot), v_ready.index(slot), Pos, pos_set + t * BLOCK_N,
+                  v_row, v_col, VCO, R, BLOCK_N, RUN)
+
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale):
     """Online softmax in base 2 over raw products s (every one finite, qk_scale >= 0)."""
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
@@ -164,10 +201,11 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               Pos, qk_scale, first_row, R, pos_q, q_first, n_tiles,
               CID: gl.constexpr, NW: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_D: gl.constexpr, STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
-              GATHER: gl.constexpr, CAUSAL: gl.constexpr):
+              GATHER: gl.constexpr, CAUSAL: gl.constexpr, CP_ASYNC: gl.constexpr):
     """Rows CID * BLOCK_M ... of the CTA's query tile (members q_first + ...), over the key tiles
-    [0, n_tiles) of the set; under CAUSAL the last of them holds the diagonal. GATHER: the rings
-    were written by cp.async (the generic proxy), which wgmma reads only after a proxy fence."""
+    [0, n_tiles) of the set; under CAUSAL the last of them holds the diagonal. GATHER: rows are
+    found through Pos. CP_ASYNC: the rings were written by cp.async (the generic proxy), which
+    wgmma reads only after a proxy fence."""
     query_first = q_first + CID * BLOCK_M
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = _mma_layout(NW, BLOCK_N)
@@ -181,7 +219,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     mbarrier.wait(q_bar, 0)
 
     mbarrier.wait(k_ready.index(0), 0)
-    if GATHER:
+    if CP_ASYNC:
         fence_async_shared()
     s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
@@ -197,7 +235,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         prev = (t - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
         mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
-        if GATHER:
+        if CP_ASYNC:
             fence_async_shared()
         s_tok = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
@@ -214,7 +252,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         p16 = gl.convert_layout(p.to(dtype), p_layout)
     last = (n_tiles - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-    if GATHER:
+    if CP_ASYNC:
         fence_async_shared()
     acc_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
     acc, p16_used = warpgroup_mma_wait(0, deps=(acc_tok, p16))
@@ -234,7 +272,8 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
                 QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                 STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
-                GATHER: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+                GATHER: gl.constexpr, CAUSAL: gl.constexpr, RUN: gl.constexpr,
+                PRODUCER_WARPS: gl.constexpr,
                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 num_warps: gl.constexpr):
     """Grid (set length / (2 * BLOCK_M), segments, B * H): the query tile runs fastest, so the
@@ -242,8 +281,9 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     tiles run last to first (the longest first) and each stops at its diagonal key tile.
 
     Strided sets (not GATHER): Qx, Kx, Vx are TMA descriptors of the 2-D views and (A, B, C, D)
-    of each are (RB, RH, CH, CO) above. GATHER: Qx, Kx, Vx are the tensors, (A, B, C) their
-    batch, head and row strides, and member m of set j of offset o is at Pos[o, j, m]."""
+    of each are (RB, RH, CH, CO) above. GATHER: member m of set j of offset o is at Pos[o, j, m];
+    Qx, Kx, Vx are the tensors and (A, B, C) their batch, head and row strides, or, when RUN > 0
+    (the members come in stride-R runs of RUN), descriptors as above with boxes of RUN rows."""
     tile = gl.program_id(0)
     if CAUSAL:
         tile = gl.num_programs(0) - 1 - tile
@@ -259,10 +299,14 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     if CAUSAL:  # key tiles up to the one holding the CTA's last query
         n_tiles = gl.minimum(n_tiles, (q_first + CONSUMERS * BLOCK_M + BLOCK_N - 1) // BLOCK_N)
     if GATHER:
-        dtype: gl.constexpr = Qx.dtype.element_ty
+        if RUN:
+            dtype: gl.constexpr = Qx.dtype
+            arrivals: gl.constexpr = 1
+        else:
+            dtype: gl.constexpr = Qx.dtype.element_ty
+            arrivals: gl.constexpr = PRODUCER_WARPS * 32  # every producer thread arrives
         q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
         kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
-        arrivals: gl.constexpr = PRODUCER_WARPS * 32  # every producer thread arrives
         first_row = bh.to(gl.int64) * N  # Out, Acc, Lse: [B, H, N]
         pos_set = off * stride_po + seg * stride_ps
     else:
@@ -291,16 +335,16 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
 
     # Triton 3.6: the argument tuples must be written inline (a tuple held in a variable turns
     # its constexprs into tensors).
-    if GATHER:
+    if GATHER and RUN == 0:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
                          Acc, Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles,
                          0, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
-                         CAUSAL)),
+                         CAUSAL, True)),
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
                          Acc, Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles,
                          1, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
-                         CAUSAL)),
+                         CAUSAL, True)),
             (_gather_producer, (Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
                                 v_ready, v_empty, b.to(gl.int64) * QA + h.to(gl.int64) * QB,
                                 b.to(gl.int64) * KA + hk.to(gl.int64) * KB,
@@ -308,17 +352,32 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
                                 q_first, n_tiles, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
                                 PRODUCER_WARPS)),
         ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    elif GATHER:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
+                         Acc, Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles,
+                         0, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
+                         CAUSAL, False)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
+                         Acc, Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles,
+                         1, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
+                         CAUSAL, False)),
+            (_run_producer, (Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                             v_ready, v_empty, b * QA + h * QB, h * QC, b * KA + hk * KB, hk * KC,
+                             b * VA + hk * VB, hk * VC, QD, KD, VD, R, pos_set, q_first, n_tiles,
+                             BLOCK_M, BLOCK_N, STAGES, RUN)),
+        ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         member = seg * set_len  # row of the set's first member in the 2-D views
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
                          Acc, Lse, Pos, qk_scale, first_row, R, 0, q_first, n_tiles, 0,
                          num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
-                         CAUSAL)),
+                         CAUSAL, False)),
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
                          Acc, Lse, Pos, qk_scale, first_row, R, 0, q_first, n_tiles, 1,
                          num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
-                         CAUSAL)),
+                         CAUSAL, False)),
             (_producer, (Qx, Kx, Vx, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                          v_empty, b * QA + h * QB + member + q_first, off * QD + h * QC,
                          b * KA + hk * KB + member, off * KD + hk * KC,
