@@ -3,8 +3,8 @@
     PYTHONPATH=. python scripts/explore_hilbert_gather.py [--n 65536]
 
 Variants: the identity order; the Hilbert order with TMA runs (gluon_forward.plan_run) on and
-off; cp.async producer configurations (warps, producer registers, consumer registers) of the
-backward. Prints forward and forward+backward ms (median of 7 samples of 5 calls), bf16,
+off; the forward's ring depth at D = 128; cp.async producer configurations (warps, producer
+registers, consumer registers) of the forward and the backward. Prints forward and forward+backward ms (median of 7 samples of 5 calls), bf16,
 B=1, H=16, D=128, branches (2048,1), (4096,2), (8192,4), (16384,8).
 """
 import argparse
@@ -55,24 +55,37 @@ def main():
     plans = branch_plans(n, W, R, True, q.device)
     runs = {id(p): gluon_forward.plan_run(p) for p in plans}
     print("runs per branch:", [runs[id(p)] for p in plans], flush=True)
-    default = dict(gluon_backward._GATHER_PRODUCER)
-    rows = [("identity", False, None, default), ("hilbert, runs", True, None, default),
-            ("hilbert, no runs", True, 0, default)]
-    for warps, preg, creg in ((2, 40, 232), (1, 40, 240), (1, 56, 232)):
-        cfg = dict(default, PRODUCER_WARPS=warps, PRODUCER_REGS=preg, CONSUMER_REGS=creg)
-        rows.append((f"hilbert, runs, bwd cp.async {warps},{preg},{creg}", True, None, cfg))
-    for name, hilbert, run, cfg in rows:
+    bwd_default = dict(gluon_backward._GATHER_PRODUCER)
+    fwd_default = dict(gluon_forward._GATHER_PRODUCER)
+    tiles_default = dict(gluon_forward._TILES[128])
+    # name, hilbert, run (None: the plan's), forward STAGES at D = 128, forward cp.async
+    # (warps, producer regs, consumer regs), backward cp.async (the same)
+    rows = [("identity", False, None, None, None, None), ("hilbert", True, None, None, None, None),
+            ("hilbert, no runs", True, 0, None, None, None),
+            ("identity, fwd 3 stages", False, None, 3, None, None),
+            ("hilbert, fwd 3 stages", True, None, 3, None, None),
+            ("hilbert, fwd cp.async 2,40,232", True, None, None, (2, 40, 232), None),
+            ("hilbert, fwd cp.async 4,40,224", True, None, None, (4, 40, 224), None),
+            ("hilbert, bwd cp.async 2,56,224", True, None, None, None, (2, 56, 224)),
+            ("identity (again)", False, None, None, None, None),
+            ("hilbert (again)", True, None, None, None, None)]
+    for name, hilbert, run, stages, fwd_cp, bwd_cp in rows:
         for plan in plans:
             object.__setattr__(plan, "_run", runs[id(plan)] if run is None else run)
-        gluon_backward._GATHER_PRODUCER = cfg
+        gluon_forward._TILES[128] = dict(tiles_default, STAGES=stages or tiles_default["STAGES"])
+        gluon_forward._GATHER_PRODUCER = fwd_default if fwd_cp is None else dict(
+            fwd_default, PRODUCER_WARPS=fwd_cp[0], PRODUCER_REGS=fwd_cp[1], CONSUMER_REGS=fwd_cp[2])
+        gluon_backward._GATHER_PRODUCER = bwd_default if bwd_cp is None else dict(
+            bwd_default, PRODUCER_WARPS=bwd_cp[0], PRODUCER_REGS=bwd_cp[1], CONSUMER_REGS=bwd_cp[2])
         try:
             f = timed(fwd(hilbert))
             fb = timed(fwdbwd(hilbert))
-            print(f"{name:45} fwd {f:6.3f} ms  fwdbwd {fb:6.3f} ms", flush=True)
+            print(f"{name:36} fwd {f:6.3f} ms  fwdbwd {fb:6.3f} ms  bwd {fb - f:6.3f} ms", flush=True)
         except Exception as e:  # noqa: BLE001 - report and go on
-            print(f"{name:45} ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
-    gluon_backward._GATHER_PRODUCER = default
-
+            print(f"{name:36} ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
+    gluon_forward._TILES[128] = tiles_default
+    gluon_forward._GATHER_PRODUCER = fwd_default
+    gluon_backward._GATHER_PRODUCER = bwd_default
 
 if __name__ == "__main__":
     main()

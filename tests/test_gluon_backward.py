@@ -1,0 +1,128 @@
+"""The Hopper kernels' host side on CPU: the backward's place in the Triton lowering, and the TMA
+copies of stride-r runs.
+
+The kernels need an sm_90 GPU (scripts/gpu_check.py's "hopper" cases check them against the
+float64 reference there, BENCHMARKS.md). Here:
+- lowering/triton_lowering.backward mixes branches whose gradients come from the Hopper kernel
+  with branches on the Triton kernels. The kernel's contract (lowering/gluon_backward.launch:
+  dq added into a zeroed float32 buffer, dK/dV added to what earlier branches left at the rows
+  Seen marks, a LAST branch writing the inputs' dtype) is emulated in torch, and the lowering's
+  result compared with the float64 reference, its buffers poisoned with NaN where unwritten;
+- the addressing of runs: each box the producer copies holds exactly the run's rows.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_op_exact import (TRITON_ORDERS, _PoisonedTorch, assert_matches,  # noqa: E402
+                           common_scale, require_lowering, run_both)
+
+from lowering import gluon_backward, gluon_forward  # noqa: E402
+from lowering.plans import branch_plan  # noqa: E402
+
+LOG2E = 1.4426950408889634
+
+
+def emulated_launch(q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2, delta, plan,
+                    positions, *, is_causal, scale, first, last):
+    """What lowering/gluon_backward_kernels.py's _bwd_kernel leaves behind, in torch."""
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    group, r = hq // hkv, plan.dilation_rate
+    grads = [torch.zeros(b, hkv, n, x.shape[-1]) for x in (k, v)]
+    written = torch.zeros(hkv, n, dtype=torch.bool)
+    for h in range(hq):
+        o, g = h % r, h // group
+        for j in range(plan.num_segments):
+            p = plan.positions[o, j, :plan.counts[o, j]]
+            qs, ks, vs, dos = q[:, h, p].float(), k[:, g, p].float(), v[:, g, p].float(), \
+                dout[:, h, p].float()
+            prob = torch.exp2(qs @ ks.transpose(-1, -2) * (scale * LOG2E) - lse2[:, h, p, None])
+            if is_causal:
+                prob = prob.tril()  # members in ascending position order
+            ds = prob * (dos @ vs.transpose(-1, -2) - delta[:, h, p, None])
+            dq[:, h, p] += scale * ds @ ks
+            grads[0][:, g, p] += scale * ds.transpose(-1, -2) @ qs
+            grads[1][:, g, p] += prob.transpose(-1, -2) @ dos
+            written[g, p] = True
+    for grad, buf, final in zip(grads, (dk, dv), (dk_final, dv_final)):
+        rows = written.expand(b, hkv, n)
+        if not first:
+            earlier = (seen != 0).expand(b, hkv, n).unsqueeze(-1)
+            grad += torch.where(earlier, buf, 0.0)
+        if last:
+            final[rows] = grad[rows].to(final.dtype)
+        else:
+            buf[rows] = grad[rows]
+
+
+@pytest.mark.parametrize("hopper_rates", ["all", "r == 1", "r > 1"])
+@pytest.mark.parametrize("cfg", TRITON_ORDERS, ids=lambda c: f"N{c['N']}-{c['segs']}-{c['rates']}")
+def test_backward_mixes_hopper_and_triton_branches(cfg, hopper_rates, monkeypatch):
+    require_lowering("triton")
+    from lowering import triton_lowering
+
+    def unsupported(q, k, v, plan, *, mask_kind, dropout, **kw):
+        r = plan.dilation_rate
+        picked = {"all": True, "r == 1": r == 1, "r > 1": r > 1}[hopper_rates]
+        return None if picked and not mask_kind and not dropout else "test: Triton kernels"
+
+    monkeypatch.setattr(triton_lowering, "torch", _PoisonedTorch())
+    monkeypatch.setattr(gluon_backward, "unsupported", unsupported)
+    monkeypatch.setattr(gluon_backward, "launch", emulated_launch)
+    monkeypatch.setenv("HILBERT_FX_TRITON_ATOMIC_DQ", "0")
+    out, ref, g_out, g_ref = run_both(cfg, lowering="triton")
+    sc = common_scale(ref, *g_ref)
+    for name, a, b in zip("qkv", g_out, g_ref):
+        assert_matches(a, b, f"d{name}", scale=sc)
+
+
+def test_refused_on_cpu_and_under_deterministic_algorithms(monkeypatch):
+    q = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)
+    plan = branch_plan(256, 256, 1, False)
+    why = gluon_backward.unsupported(q, q, q, plan, is_causal=False, mask_kind=0, dropout=False,
+                                     scale=0.125, deterministic=False)
+    assert why == "not a compute capability 9.x GPU"
+    assert "(256, 1) backward: Triton kernel (not a compute capability 9.x GPU)" in \
+        gluon_forward.kernel_choices()
+    monkeypatch.setattr(gluon_forward, "_unsupported", lambda *a: None)  # as on an H100
+    assert gluon_backward.unsupported(q, q, q, plan, is_causal=False, mask_kind=0, dropout=False,
+                                      scale=0.125, deterministic=False) is None
+    why = gluon_backward.unsupported(q, q, q, plan, is_causal=False, mask_kind=0, dropout=False,
+                                     scale=0.125, deterministic=True)
+    assert "deterministic" in why
+
+
+def test_run_lengths():
+    """Hilbert's r = 2 sets come in runs of a grid row's half; r = 4 has none; strided plans
+    need none (their whole tiles are one box)."""
+    assert gluon_forward.plan_run(branch_plan(65536, 4096, 2, True)) == 32
+    assert gluon_forward.plan_run(branch_plan(65536, 8192, 2, True)) == 64
+    assert gluon_forward.plan_run(branch_plan(65536, 8192, 4, True)) == 0
+    assert gluon_forward.plan_run(branch_plan(65536, 4096, 2, False)) == 0
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_run_boxes_hold_exactly_the_runs_rows(layout):
+    """The producer copies RUN members Pos[first + i] as one box at row row0 + p // r, column
+    col0 + (p % r) * CO of the 2-D view (p = Pos[first]); that box must hold their rows."""
+    b, hx, d, n, w, r = 2, 3, 8, 2048, 1024, 2
+    plan = branch_plan(n, w, r, True)
+    run = gluon_forward.plan_run(plan)
+    assert run == 16
+    x = torch.randn(b, hx, n, d) if layout == "contiguous" else \
+        torch.randn(b, n, hx, d).transpose(1, 2)
+    view, rb, rh, ch, co = gluon_forward._view(x, r)
+    pos = plan.positions
+    for bi in range(b):
+        for h in range(hx):
+            o = h % r
+            for j in range(plan.num_segments):
+                for c in range(plan.set_size // run):
+                    p = int(pos[o, j, c * run])
+                    row, col = bi * rb + h * rh + p // r, (p % r) * co + h * ch
+                    box = view[row:row + run, col:col + d]
+                    assert torch.equal(box, x[bi, h, pos[o, j, c * run:(c + 1) * run]]), (h, j, c)
