@@ -1,5 +1,8 @@
 """When the Hopper forward kernel (lowering/gluon_kernels.py) runs a branch, and its launch.
 
+The Hopper backward (lowering/gluon_backward.py) runs on the same terms, so its eligibility,
+logging and addressing (the 2-D views, runs of stride r) are shared from here.
+
 lowering/triton_lowering.py's forward asks `unsupported(...)` for each branch: None means the
 branch runs here, a string says why it runs on lowering/triton_kernels.py instead (logged once
 per reason on the "hilbert_fx.lowering" logger, which TORCH_LOGS="hilbert_fx" shows). Both

@@ -39,12 +39,15 @@ Setting HILBERT_FX_TRITON_ATOMIC_DQ=1 folds dQ into the dK/dV kernel with float3
 (saves recomputing S and dP, not deterministic); HILBERT_FX_DETERMINISTIC=1 or
 torch.use_deterministic_algorithms(True) turn that off again.
 
-On Hopper (compute capability 9.x, Triton 3.6) the forward of a branch runs instead on
-lowering/gluon_kernels.py, FlashAttention-3's warp-specialised schedule written in Gluon, which
-merges into the same (acc, lse) (lowering/gluon_forward.py says when: no mask, no dropout, whole
-sets, head dims 64 and 128, 16-bit types). On an H200 at N = 64K the forward takes 3.60 to 3.86
-ms in the identity order and 4.08 to 4.13 ms in the Hilbert order, against the floor's 3.53 to
-3.63 (BENCHMARKS.md). The backward stays here.
+On Hopper (compute capability 9.x, Triton 3.6) a branch runs instead on FlashAttention-3's
+warp-specialised schedules written in Gluon (lowering/gluon_forward.py says when: no mask, no
+dropout, whole sets, head dims 64 and 128, 16-bit types): the forward (lowering/gluon_kernels.py)
+merges into the same (acc, lse); the backward (lowering/gluon_backward_kernels.py) adds dq into
+a zeroed float32 buffer by atomics (not under deterministic algorithms; the Triton dq kernel of
+a branch beside it then adds to that buffer too) and dK/dV exactly as the Triton dK/dV kernel
+does. On an H200 at N = 64K: forward 3.86 ms in the identity order and 4.01 to 4.07 ms in the
+Hilbert order, forward+backward 17.8 to 18.1 ms in either, against the floor's 3.53 to 3.60 and
+13.96 to 14.36 (BENCHMARKS.md).
 
 CPU tensors run the same kernels under the Triton interpreter (SPEC section 3). Triton decides
 between interpreter and compiler when `triton` is first imported; importing this module without
