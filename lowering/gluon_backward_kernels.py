@@ -147,6 +147,39 @@ def _run_producer(q_desc, k_desc, kd_desc, v_desc, do_desc, Pos, q_smem, k_smem,
 
 
 @gluon.jit
+def _load_partition(Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar,
+                    q_ready, q_empty, do_ready, do_empty, b, g, h, off, seg, set_len, pos_set,
+                    key_first, t0, n_q, n_heads, QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD,
+                    OA, OB, OC, OD, R: gl.constexpr, BLOCK_M: gl.constexpr,
+                    HEAD_D: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr,
+                    RUN: gl.constexpr, PW: gl.constexpr):
+    """The producer partition: where the CTA's rows start for the copy path of its sets."""
+    if not GATHER:
+        member = seg * set_len  # row of the set's first member in the 2-D views
+        _producer(Qx, Kx, KDx, Vx, DOx, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar, q_ready,
+                  q_empty, do_ready, do_empty, b * KA + g * KB + member + key_first,
+                  off * KD + g * KC, b * VA + g * VB + member + key_first, off * VD + g * VC,
+                  b * QA + h * QB + member, off * QD + h * QC, R * QB, R * QC,
+                  b * OA + h * OB + member, off * OD + h * OC, R * OB, R * OC,
+                  t0, n_q, n_heads, BLOCK_M, HEAD_D, STAGES)
+    elif RUN:
+        _run_producer(Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar,
+                      q_ready, q_empty, do_ready, do_empty, b * KA + g * KB, g * KC,
+                      b * VA + g * VB, g * VC, b * QA + h * QB, h * QC, R * QB, R * QC,
+                      b * OA + h * OB, h * OC, R * OB, R * OC, KD, VD, QD, OD, pos_set,
+                      key_first, t0, n_q, n_heads, R, BLOCK_M, HEAD_D, STAGES, RUN)
+    else:
+        _gather_producer(Qx, Kx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar,
+                         q_ready, q_empty, do_ready, do_empty,
+                         b.to(gl.int64) * KA + g.to(gl.int64) * KB,
+                         b.to(gl.int64) * VA + g.to(gl.int64) * VB,
+                         b.to(gl.int64) * QA + h.to(gl.int64) * QB, R * QB,
+                         b.to(gl.int64) * OA + h.to(gl.int64) * OB, R * OB,
+                         KC, VC, QC, OC, pos_set, key_first, t0, n_q, n_heads, BLOCK_M, HEAD_D,
+                         STAGES, PW)
+
+
+@gluon.jit
 def _add_rows(acc, Buf, Final, Seen, seen_idx, offs, FIRST: gl.constexpr, LAST: gl.constexpr):
     """acc (float32 rows of a gradient; offs their elements) plus what the branches launched
     before left in Buf at the rows Seen marks, into Buf, or when LAST into Final in its dtype."""
@@ -310,9 +343,11 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
         if RUN:
             dtype: gl.constexpr = Qx.dtype
             arrivals: gl.constexpr = 1
+            CP_ASYNC: gl.constexpr = False
         else:
             dtype: gl.constexpr = Qx.dtype.element_ty
             arrivals: gl.constexpr = PRODUCER_WARPS * 32  # every producer thread arrives
+            CP_ASYNC: gl.constexpr = True
         q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
         k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HEAD_D], dtype)
         kd_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CONSUMERS * KEYS, HEAD_D // 2],
@@ -324,6 +359,7 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
         k_sl: gl.constexpr = Kx.layout
         kd_sl: gl.constexpr = KDx.layout
         arrivals: gl.constexpr = 1
+        CP_ASYNC: gl.constexpr = False
         pos_set = 0
     ds_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CONSUMERS * KEYS, BLOCK_M], dtype)
 
@@ -350,63 +386,20 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     fence_async_shared()
 
     # Triton 3.6: the argument tuples must be written inline (lowering/gluon_kernels.py)
-    if GATHER and RUN == 0:
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready,
-                         q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2,
-                         Delta, Pos, qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N,
-                         set_row, pos_set, key_first, t0, n_q, n_heads, R, 0, num_warps, BLOCK_M,
-                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST, True)),
-            (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready,
-                         q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2,
-                         Delta, Pos, qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N,
-                         set_row, pos_set, key_first, t0, n_q, n_heads, R, 1, num_warps, BLOCK_M,
-                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST, True)),
-            (_gather_producer, (Qx, Kx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
-                                kv_bar, q_ready, q_empty, do_ready, do_empty,
-                                b.to(gl.int64) * KA + g.to(gl.int64) * KB,
-                                b.to(gl.int64) * VA + g.to(gl.int64) * VB,
-                                b.to(gl.int64) * QA + h.to(gl.int64) * QB, R * QB,
-                                b.to(gl.int64) * OA + h.to(gl.int64) * OB, R * OB,
-                                KC, VC, QC, OC, pos_set, key_first, t0, n_q, n_heads, BLOCK_M,
-                                HEAD_D, STAGES, PRODUCER_WARPS)),
-        ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
-    elif GATHER:
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready,
-                         q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2,
-                         Delta, Pos, qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N,
-                         set_row, pos_set, key_first, t0, n_q, n_heads, R, 0, num_warps, BLOCK_M,
-                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST, False)),
-            (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready,
-                         q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2,
-                         Delta, Pos, qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N,
-                         set_row, pos_set, key_first, t0, n_q, n_heads, R, 1, num_warps, BLOCK_M,
-                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST, False)),
-            (_run_producer, (Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
-                             kv_bar, q_ready, q_empty, do_ready, do_empty, b * KA + g * KB, g * KC,
-                             b * VA + g * VB, g * VC, b * QA + h * QB, h * QC, R * QB, R * QC,
-                             b * OA + h * OB, h * OC, R * OB, R * OC, KD, VD, QD, OD, pos_set,
-                             key_first, t0, n_q, n_heads, R, BLOCK_M, HEAD_D, STAGES, RUN)),
-        ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        member = seg * set_len  # row of the set's first member in the 2-D views
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready,
-                         q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2,
-                         Delta, Pos, qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N,
-                         set_row, pos_set, key_first, t0, n_q, n_heads, R, 0, num_warps, BLOCK_M,
-                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST, False)),
-            (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready,
-                         q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2,
-                         Delta, Pos, qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N,
-                         set_row, pos_set, key_first, t0, n_q, n_heads, R, 1, num_warps, BLOCK_M,
-                         HEAD_D, STAGES, GATHER, CAUSAL, FIRST, LAST, False)),
-            (_producer, (Qx, Kx, KDx, Vx, DOx, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar,
-                         q_ready, q_empty, do_ready, do_empty,
-                         b * KA + g * KB + member + key_first, off * KD + g * KC,
-                         b * VA + g * VB + member + key_first, off * VD + g * VC,
-                         b * QA + h * QB + member, off * QD + h * QC, R * QB, R * QC,
-                         b * OA + h * OB + member, off * OD + h * OC, R * OB, R * OC,
-                         t0, n_q, n_heads, BLOCK_M, HEAD_D, STAGES)),
-        ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty,
+                     do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
+                     qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N, set_row, pos_set,
+                     key_first, t0, n_q, n_heads, R, 0, num_warps, BLOCK_M, HEAD_D, STAGES, GATHER,
+                     CAUSAL, FIRST, LAST, CP_ASYNC)),
+        (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty,
+                     do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
+                     qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N, set_row, pos_set,
+                     key_first, t0, n_q, n_heads, R, 1, num_warps, BLOCK_M, HEAD_D, STAGES, GATHER,
+                     CAUSAL, FIRST, LAST, CP_ASYNC)),
+        (_load_partition, (Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
+                           kv_bar, q_ready, q_empty, do_ready, do_empty, b, g, h, off, seg,
+                           set_len, pos_set, key_first, t0, n_q, n_heads, QA, QB, QC, QD, KA, KB,
+                           KC, KD, VA, VB, VC, VD, OA, OB, OC, OD, R, BLOCK_M, HEAD_D, STAGES,
+                           GATHER, RUN, PRODUCER_WARPS)),
+    ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

@@ -149,6 +149,32 @@ def _run_producer(q_desc, k_desc, v_desc, Pos, q_smem, k_smem, v_smem, q_bar, k_
 
 
 @gluon.jit
+def _load_partition(Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                    v_empty, b, h, hk, off, seg, set_len, R, pos_set, q_first, n_tiles,
+                    QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                    GATHER: gl.constexpr, RUN: gl.constexpr, PW: gl.constexpr):
+    """The producer partition: where the CTA's rows start for the copy path of its sets."""
+    if not GATHER:
+        member = seg * set_len  # row of the set's first member in the 2-D views
+        _producer(Qx, Kx, Vx, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                  b * QA + h * QB + member + q_first, off * QD + h * QC,
+                  b * KA + hk * KB + member, off * KD + hk * KC,
+                  b * VA + hk * VB + member, off * VD + hk * VC, n_tiles, BLOCK_M, BLOCK_N, STAGES)
+    elif RUN:
+        _run_producer(Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                      v_empty, b * QA + h * QB, h * QC, b * KA + hk * KB, hk * KC,
+                      b * VA + hk * VB, hk * VC, QD, KD, VD, R, pos_set, q_first, n_tiles,
+                      BLOCK_M, BLOCK_N, STAGES, RUN)
+    else:
+        _gather_producer(Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                         v_ready, v_empty, b.to(gl.int64) * QA + h.to(gl.int64) * QB,
+                         b.to(gl.int64) * KA + hk.to(gl.int64) * KB,
+                         b.to(gl.int64) * VA + hk.to(gl.int64) * VB, QC, KC, VC, pos_set,
+                         q_first, n_tiles, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PW)
+
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale):
     """Online softmax in base 2 over raw products s (every one finite, qk_scale >= 0)."""
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
@@ -302,9 +328,11 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
         if RUN:
             dtype: gl.constexpr = Qx.dtype
             arrivals: gl.constexpr = 1
+            CP_ASYNC: gl.constexpr = False
         else:
             dtype: gl.constexpr = Qx.dtype.element_ty
             arrivals: gl.constexpr = PRODUCER_WARPS * 32  # every producer thread arrives
+            CP_ASYNC: gl.constexpr = True
         q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
         kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
         first_row = bh.to(gl.int64) * N  # Out, Acc, Lse: [B, H, N]
@@ -314,6 +342,7 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
         q_sl: gl.constexpr = Qx.layout
         kv_sl: gl.constexpr = Kx.layout
         arrivals: gl.constexpr = 1
+        CP_ASYNC: gl.constexpr = False
         first_row = bh.to(gl.int64) * N + seg * W + off + q_first * R
         pos_set = 0
 
@@ -335,52 +364,17 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
 
     # Triton 3.6: the argument tuples must be written inline (a tuple held in a variable turns
     # its constexprs into tensors).
-    if GATHER and RUN == 0:
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
-                         Acc, Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles,
-                         0, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
-                         CAUSAL, True)),
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
-                         Acc, Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles,
-                         1, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
-                         CAUSAL, True)),
-            (_gather_producer, (Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                                v_ready, v_empty, b.to(gl.int64) * QA + h.to(gl.int64) * QB,
-                                b.to(gl.int64) * KA + hk.to(gl.int64) * KB,
-                                b.to(gl.int64) * VA + hk.to(gl.int64) * VB, QC, KC, VC, pos_set,
-                                q_first, n_tiles, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                                PRODUCER_WARPS)),
-        ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
-    elif GATHER:
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
-                         Acc, Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles,
-                         0, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
-                         CAUSAL, False)),
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
-                         Acc, Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles,
-                         1, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
-                         CAUSAL, False)),
-            (_run_producer, (Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                             v_ready, v_empty, b * QA + h * QB, h * QC, b * KA + hk * KB, hk * KC,
-                             b * VA + hk * VB, hk * VC, QD, KD, VD, R, pos_set, q_first, n_tiles,
-                             BLOCK_M, BLOCK_N, STAGES, RUN)),
-        ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        member = seg * set_len  # row of the set's first member in the 2-D views
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
-                         Acc, Lse, Pos, qk_scale, first_row, R, 0, q_first, n_tiles, 0,
-                         num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
-                         CAUSAL, False)),
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out,
-                         Acc, Lse, Pos, qk_scale, first_row, R, 0, q_first, n_tiles, 1,
-                         num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
-                         CAUSAL, False)),
-            (_producer, (Qx, Kx, Vx, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                         v_empty, b * QA + h * QB + member + q_first, off * QD + h * QC,
-                         b * KA + hk * KB + member, off * KD + hk * KC,
-                         b * VA + hk * VB + member, off * VD + hk * VC, n_tiles, BLOCK_M,
-                         BLOCK_N, STAGES)),
-        ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc,
+                     Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles, 0,
+                     num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER, CAUSAL,
+                     CP_ASYNC)),
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc,
+                     Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles, 1,
+                     num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER, CAUSAL,
+                     CP_ASYNC)),
+        (_load_partition, (Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                           v_ready, v_empty, b, h, hk, off, seg, set_len, R, pos_set, q_first,
+                           n_tiles, QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, BLOCK_M,
+                           BLOCK_N, HEAD_D, STAGES, GATHER, RUN, PRODUCER_WARPS)),
+    ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
