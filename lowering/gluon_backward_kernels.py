@@ -33,40 +33,47 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                               tma, warpgroup_mma, warpgroup_mma_wait)
 
-from .gluon_kernels import CONSUMERS, _gather_rows, _mma_layout, _run_rows
+from .gluon_kernels import CONSUMERS, _boxes, _gather_rows, _mma_layout, _tma_rows
 
 KEYS = gl.constexpr(64)  # keys a consumer owns; a CTA owns CONSUMERS * KEYS
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, kd_desc, v_desc, do_desc, q_smem, k_smem, kd_smem, v_smem, do_smem,
-              kv_bar, q_ready, q_empty, do_ready, do_empty, k_row, k_col, v_row, v_col,
-              q_row, q_col, q_step_row, q_step_col, do_row, do_col, do_step_row, do_step_col,
-              t0, n_q, n_heads, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
-              STAGES: gl.constexpr):
-    """One warp, TMA: the CTA's keys and values, then q and dout tiles t0 ... n_q - 1 of each of
-    n_heads heads (the next head's rows and columns step by q_step_row, q_step_col) into their
-    rings."""
-    mbarrier.expect(kv_bar, CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes
-                                         + kd_desc.block_type.nbytes))
+def _tma_producer(q_desc, k_desc, kd_desc, v_desc, do_desc, Pos, q_smem, k_smem, kd_smem, v_smem,
+                  do_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, k_row, k_col, v_row,
+                  v_col, q_row, q_col, q_step_row, q_step_col, do_row, do_col, do_step_row,
+                  do_step_col, KCO, VCO, QCO, OCO, pos_set, key_first, t0, n_q, n_heads,
+                  R: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+                  STAGES: gl.constexpr, RUN: gl.constexpr):
+    """One warp, TMA (a box a tile for strided sets, a box a run for sets made of runs:
+    lowering/gluon_kernels._tma_rows): the CTA's keys and values, then q and dout tiles
+    t0 ... n_q - 1 of each of n_heads heads (the next head's rows and columns step by
+    q_step_row, q_step_col) into their rings."""
+    kv_bytes: gl.constexpr = _boxes(KEYS, RUN) * (k_desc.block_type.nbytes
+                                                  + v_desc.block_type.nbytes)
+    kd_bytes: gl.constexpr = _boxes(CONSUMERS * KEYS, RUN) * kd_desc.block_type.nbytes
+    mbarrier.expect(kv_bar, CONSUMERS * (kv_bytes + kd_bytes))
     for i in gl.static_range(CONSUMERS):
-        tma.async_copy_global_to_shared(k_desc, [k_row + i * KEYS, k_col], kv_bar, k_smem.index(i))
-        tma.async_copy_global_to_shared(v_desc, [v_row + i * KEYS, v_col], kv_bar, v_smem.index(i))
-        tma.async_copy_global_to_shared(kd_desc, [k_row, k_col + i * (HEAD_D // 2)], kv_bar,
-                                        kd_smem.index(i))
+        _tma_rows(k_desc, k_smem.index(i), kv_bar, Pos, pos_set, key_first + i * KEYS, k_row,
+                  k_col, KCO, R, KEYS, RUN)
+        _tma_rows(v_desc, v_smem.index(i), kv_bar, Pos, pos_set, key_first + i * KEYS, v_row,
+                  v_col, VCO, R, KEYS, RUN)
+        _tma_rows(kd_desc, kd_smem.index(i), kv_bar, Pos, pos_set, key_first, k_row,
+                  k_col + i * (HEAD_D // 2), KCO, R, CONSUMERS * KEYS, RUN)
     it = 0
     for hi in range(n_heads):
         for t in range(t0, n_q):
             slot = it % STAGES
             phase = ((it // STAGES) & 1) ^ 1  # the first round finds every slot free
             mbarrier.wait(q_empty.index(slot), phase)
-            mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row + t * BLOCK_M, q_col],
-                                            q_ready.index(slot), q_smem.index(slot))
+            mbarrier.expect(q_ready.index(slot), _boxes(BLOCK_M, RUN) * q_desc.block_type.nbytes)
+            _tma_rows(q_desc, q_smem.index(slot), q_ready.index(slot), Pos, pos_set, t * BLOCK_M,
+                      q_row, q_col, QCO, R, BLOCK_M, RUN)
             mbarrier.wait(do_empty.index(slot), phase)
-            mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [do_row + t * BLOCK_M, do_col],
-                                            do_ready.index(slot), do_smem.index(slot))
+            mbarrier.expect(do_ready.index(slot),
+                            _boxes(BLOCK_M, RUN) * do_desc.block_type.nbytes)
+            _tma_rows(do_desc, do_smem.index(slot), do_ready.index(slot), Pos, pos_set,
+                      t * BLOCK_M, do_row, do_col, OCO, R, BLOCK_M, RUN)
             it += 1
         q_row += q_step_row
         q_col += q_step_col
@@ -80,7 +87,7 @@ def _gather_producer(Q, K, V, DO, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
                      k_sn, v_sn, q_sn, do_sn, pos_set, key_first, t0, n_q, n_heads,
                      BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                      PW: gl.constexpr):
-    """PW warps, cp.async through the plan's positions: the same rings as _producer; every
+    """PW warps, cp.async through the plan's positions: the same rings as _tma_producer; every
     thread arrives on a `ready` barrier once its own copies have landed."""
     for i in gl.static_range(CONSUMERS):
         _gather_rows(k_smem.index(i), K + k_base, Pos, pos_set + key_first + i * KEYS, k_sn, KEYS,
@@ -109,66 +116,14 @@ def _gather_producer(Q, K, V, DO, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
 
 
 @gluon.jit
-def _run_producer(q_desc, k_desc, kd_desc, v_desc, do_desc, Pos, q_smem, k_smem, kd_smem, v_smem,
-                  do_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, k_row, k_col, v_row,
-                  v_col, q_row, q_col, q_step_row, q_step_col, do_row, do_col, do_step_row,
-                  do_step_col, KCO, VCO, QCO, OCO, pos_set, key_first, t0, n_q, n_heads,
-                  R: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
-                  STAGES: gl.constexpr, RUN: gl.constexpr):
-    """One warp, for Hilbert-order sets whose members come in stride-R runs of RUN (the
-    forward's _run_producer): _producer's rings, filled by TMA boxes of RUN rows."""
-    mbarrier.expect(kv_bar, CONSUMERS * KEYS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes
-                                                + CONSUMERS * kd_desc.block_type.nbytes) // RUN)
-    for i in gl.static_range(CONSUMERS):
-        _run_rows(k_desc, k_smem.index(i), kv_bar, Pos, pos_set + key_first + i * KEYS, k_row,
-                  k_col, KCO, R, KEYS, RUN)
-        _run_rows(v_desc, v_smem.index(i), kv_bar, Pos, pos_set + key_first + i * KEYS, v_row,
-                  v_col, VCO, R, KEYS, RUN)
-        _run_rows(kd_desc, kd_smem.index(i), kv_bar, Pos, pos_set + key_first, k_row,
-                  k_col + i * (HEAD_D // 2), KCO, R, CONSUMERS * KEYS, RUN)
-    it = 0
-    for hi in range(n_heads):
-        for t in range(t0, n_q):
-            slot = it % STAGES
-            phase = ((it // STAGES) & 1) ^ 1
-            mbarrier.wait(q_empty.index(slot), phase)
-            mbarrier.expect(q_ready.index(slot), BLOCK_M * q_desc.block_type.nbytes // RUN)
-            _run_rows(q_desc, q_smem.index(slot), q_ready.index(slot), Pos, pos_set + t * BLOCK_M,
-                      q_row, q_col, QCO, R, BLOCK_M, RUN)
-            mbarrier.wait(do_empty.index(slot), phase)
-            mbarrier.expect(do_ready.index(slot), BLOCK_M * do_desc.block_type.nbytes // RUN)
-            _run_rows(do_desc, do_smem.index(slot), do_ready.index(slot), Pos,
-                      pos_set + t * BLOCK_M, do_row, do_col, OCO, R, BLOCK_M, RUN)
-            it += 1
-        q_row += q_step_row
-        q_col += q_step_col
-        do_row += do_step_row
-        do_col += do_step_col
-
-
-@gluon.jit
 def _load_partition(Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar,
                     q_ready, q_empty, do_ready, do_empty, b, g, h, off, seg, set_len, pos_set,
                     key_first, t0, n_q, n_heads, QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD,
                     OA, OB, OC, OD, R: gl.constexpr, BLOCK_M: gl.constexpr,
                     HEAD_D: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr,
                     RUN: gl.constexpr, PW: gl.constexpr):
-    """The producer partition: where the CTA's rows start for the copy path of its sets."""
-    if not GATHER:
-        member = seg * set_len  # row of the set's first member in the 2-D views
-        _producer(Qx, Kx, KDx, Vx, DOx, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar, q_ready,
-                  q_empty, do_ready, do_empty, b * KA + g * KB + member + key_first,
-                  off * KD + g * KC, b * VA + g * VB + member + key_first, off * VD + g * VC,
-                  b * QA + h * QB + member, off * QD + h * QC, R * QB, R * QC,
-                  b * OA + h * OB + member, off * OD + h * OC, R * OB, R * OC,
-                  t0, n_q, n_heads, BLOCK_M, HEAD_D, STAGES)
-    elif RUN:
-        _run_producer(Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar,
-                      q_ready, q_empty, do_ready, do_empty, b * KA + g * KB, g * KC,
-                      b * VA + g * VB, g * VC, b * QA + h * QB, h * QC, R * QB, R * QC,
-                      b * OA + h * OB, h * OC, R * OB, R * OC, KD, VD, QD, OD, pos_set,
-                      key_first, t0, n_q, n_heads, R, BLOCK_M, HEAD_D, STAGES, RUN)
-    else:
+    """The producer partition: the copy path of the CTA's sets, and where their rows start."""
+    if GATHER and RUN == 0:
         _gather_producer(Qx, Kx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar,
                          q_ready, q_empty, do_ready, do_empty,
                          b.to(gl.int64) * KA + g.to(gl.int64) * KB,
@@ -177,6 +132,19 @@ def _load_partition(Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, 
                          b.to(gl.int64) * OA + h.to(gl.int64) * OB, R * OB,
                          KC, VC, QC, OC, pos_set, key_first, t0, n_q, n_heads, BLOCK_M, HEAD_D,
                          STAGES, PW)
+    else:
+        if GATHER:  # runs: each box's row and column follow from its first position
+            member = 0
+            o = 0
+        else:  # member m of the set is row member + m, its offset's column
+            member = seg * set_len
+            o = off
+        _tma_producer(Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar,
+                      q_ready, q_empty, do_ready, do_empty, b * KA + g * KB + member,
+                      o * KD + g * KC, b * VA + g * VB + member, o * VD + g * VC,
+                      b * QA + h * QB + member, o * QD + h * QC, R * QB, R * QC,
+                      b * OA + h * OB + member, o * OD + h * OC, R * OB, R * OC, KD, VD, QD, OD,
+                      pos_set, key_first, t0, n_q, n_heads, R, BLOCK_M, HEAD_D, STAGES, RUN)
 
 
 @gluon.jit

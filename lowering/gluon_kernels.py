@@ -46,27 +46,6 @@ def _mma_layout(num_warps, n):
                                      instr_shape=[16, n, 16])
 
 
-@gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-              v_empty, q_row, q_col, k_row, k_col, v_row, v_col, n_tiles,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: the q rows of both consumers, then key and value tiles into their rings."""
-    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
-    for i in gl.static_range(CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [q_row + i * BLOCK_M, q_col], q_bar, q_smem.index(i))
-    for t in range(n_tiles):
-        slot = t % STAGES
-        phase = ((t // STAGES) & 1) ^ 1  # the first round finds every slot free
-        mbarrier.wait(k_empty.index(slot), phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row + t * BLOCK_N, k_col], k_ready.index(slot),
-                                        k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [v_row + t * BLOCK_N, v_col], v_ready.index(slot),
-                                        v_smem.index(slot))
-
-
 @gluon.constexpr_function
 def _copy_layout(num_warps, d):
     """cp.async's layout for [rows, d] tiles: 16 bytes (8 elements) a thread along d."""
@@ -91,7 +70,7 @@ def _gather_producer(Q, K, V, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_emp
                      v_empty, q_base, k_base, v_base, q_sn, k_sn, v_sn, pos_set, q_first, n_tiles,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                      STAGES: gl.constexpr, PW: gl.constexpr):
-    """PW warps, for sets reached through the plan's positions: the same rings as _producer,
+    """PW warps, for sets reached through the plan's positions: the same rings as _tma_producer,
     filled by cp.async (Hopper's TMA cannot gather rows); every thread of the partition
     arrives on the slot's `ready` barrier once its own copies have landed."""
     for i in gl.static_range(CONSUMERS):
@@ -111,40 +90,50 @@ def _gather_producer(Q, K, V, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_emp
         async_copy.mbarrier_arrive(v_ready.index(slot), increment_count=False)
 
 
+@gluon.constexpr_function
+def _boxes(rows, run):
+    """TMA boxes a tile of `rows` set members takes: one, or one per run of `run` members."""
+    return rows // run if run else 1
+
+
 @gluon.jit
-def _run_rows(desc, dst, bar, Pos, first, row0, col0, CO, R, ROWS: gl.constexpr,
+def _tma_rows(desc, dst, bar, Pos, pos_set, member, row0, col0, CO, R, ROWS: gl.constexpr,
               RUN: gl.constexpr):
-    """TMA copies of members Pos[first + i] (i < ROWS) into dst [ROWS, D], RUN at a time: each
-    RUN consecutive members of the set form a stride-R run of positions p, p + R, ..., which are
-    consecutive rows of the 2-D view (row row0 + p // R, column col0 + (p % R) * CO)."""
-    for c in gl.static_range(ROWS // RUN):
-        p = gl.load(Pos + first + c * RUN)
-        tma.async_copy_global_to_shared(desc, [row0 + p // R, col0 + (p % R) * CO], bar,
-                                        dst.slice(c * RUN, RUN))
+    """TMA copies of set members member ... member + ROWS - 1 into dst [ROWS, D] (the caller
+    expects their bytes on bar). RUN == 0, strided sets: one box at row row0 + member of the 2-D
+    view, column col0. RUN > 0: every RUN consecutive members are a stride-R run of positions
+    p, p + R, ... (p = Pos[pos_set + member + c * RUN]), which are consecutive rows of the 2-D
+    view: one box each, at row row0 + p // R, column col0 + (p % R) * CO."""
+    if RUN == 0:
+        tma.async_copy_global_to_shared(desc, [row0 + member, col0], bar, dst)
+    else:
+        for c in gl.static_range(ROWS // RUN):
+            p = gl.load(Pos + pos_set + member + c * RUN)
+            tma.async_copy_global_to_shared(desc, [row0 + p // R, col0 + (p % R) * CO], bar,
+                                            dst.slice(c * RUN, RUN))
 
 
 @gluon.jit
-def _run_producer(q_desc, k_desc, v_desc, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+def _tma_producer(q_desc, k_desc, v_desc, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
                   v_ready, v_empty, q_row, q_col, k_row, k_col, v_row, v_col, QCO, KCO, VCO, R,
                   pos_set, q_first, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, RUN: gl.constexpr):
-    """One warp, for Hilbert-order sets whose members come in runs of RUN (Hilbert's r = 2 sets
-    are a checkerboard: each grid row's members are a stride-2 run): _producer's rings, filled by
-    TMA boxes of RUN rows (plan_runs in gluon_forward.py says when)."""
-    mbarrier.expect(q_bar, CONSUMERS * BLOCK_M * q_desc.block_type.nbytes // RUN)
+    """One warp: the q rows of both consumers, then key and value tiles into their rings, by
+    TMA: a box a tile for strided sets, a box a run for sets made of runs (_tma_rows)."""
+    mbarrier.expect(q_bar, CONSUMERS * _boxes(BLOCK_M, RUN) * q_desc.block_type.nbytes)
     for i in gl.static_range(CONSUMERS):
-        _run_rows(q_desc, q_smem.index(i), q_bar, Pos, pos_set + q_first + i * BLOCK_M, q_row,
+        _tma_rows(q_desc, q_smem.index(i), q_bar, Pos, pos_set, q_first + i * BLOCK_M, q_row,
                   q_col, QCO, R, BLOCK_M, RUN)
     for t in range(n_tiles):
         slot = t % STAGES
-        phase = ((t // STAGES) & 1) ^ 1
+        phase = ((t // STAGES) & 1) ^ 1  # the first round finds every slot free
         mbarrier.wait(k_empty.index(slot), phase)
-        mbarrier.expect(k_ready.index(slot), BLOCK_N * k_desc.block_type.nbytes // RUN)
-        _run_rows(k_desc, k_smem.index(slot), k_ready.index(slot), Pos, pos_set + t * BLOCK_N,
+        mbarrier.expect(k_ready.index(slot), _boxes(BLOCK_N, RUN) * k_desc.block_type.nbytes)
+        _tma_rows(k_desc, k_smem.index(slot), k_ready.index(slot), Pos, pos_set, t * BLOCK_N,
                   k_row, k_col, KCO, R, BLOCK_N, RUN)
         mbarrier.wait(v_empty.index(slot), phase)
-        mbarrier.expect(v_ready.index(slot), BLOCK_N * v_desc.block_type.nbytes // RUN)
-        _run_rows(v_desc, v_smem.index(slot), v_ready.index(slot), Pos, pos_set + t * BLOCK_N,
+        mbarrier.expect(v_ready.index(slot), _boxes(BLOCK_N, RUN) * v_desc.block_type.nbytes)
+        _tma_rows(v_desc, v_smem.index(slot), v_ready.index(slot), Pos, pos_set, t * BLOCK_N,
                   v_row, v_col, VCO, R, BLOCK_N, RUN)
 
 
@@ -154,24 +143,25 @@ def _load_partition(Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_e
                     QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                     GATHER: gl.constexpr, RUN: gl.constexpr, PW: gl.constexpr):
-    """The producer partition: where the CTA's rows start for the copy path of its sets."""
-    if not GATHER:
-        member = seg * set_len  # row of the set's first member in the 2-D views
-        _producer(Qx, Kx, Vx, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                  b * QA + h * QB + member + q_first, off * QD + h * QC,
-                  b * KA + hk * KB + member, off * KD + hk * KC,
-                  b * VA + hk * VB + member, off * VD + hk * VC, n_tiles, BLOCK_M, BLOCK_N, STAGES)
-    elif RUN:
-        _run_producer(Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                      v_empty, b * QA + h * QB, h * QC, b * KA + hk * KB, hk * KC,
-                      b * VA + hk * VB, hk * VC, QD, KD, VD, R, pos_set, q_first, n_tiles,
-                      BLOCK_M, BLOCK_N, STAGES, RUN)
-    else:
+    """The producer partition: the copy path of the CTA's sets, and where their rows start."""
+    if GATHER and RUN == 0:
         _gather_producer(Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
                          v_ready, v_empty, b.to(gl.int64) * QA + h.to(gl.int64) * QB,
                          b.to(gl.int64) * KA + hk.to(gl.int64) * KB,
                          b.to(gl.int64) * VA + hk.to(gl.int64) * VB, QC, KC, VC, pos_set,
                          q_first, n_tiles, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PW)
+    else:
+        if GATHER:  # runs: each box's row and column follow from its first position
+            member = 0
+            o = 0
+        else:  # member m of the set is row member + m, its offset's column
+            member = seg * set_len
+            o = off
+        _tma_producer(Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                      v_empty, b * QA + h * QB + member, o * QD + h * QC,
+                      b * KA + hk * KB + member, o * KD + hk * KC, b * VA + hk * VB + member,
+                      o * VD + hk * VC, QD, KD, VD, R, pos_set, q_first, n_tiles, BLOCK_M,
+                      BLOCK_N, STAGES, RUN)
 
 
 @gluon.jit
