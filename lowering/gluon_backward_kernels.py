@@ -307,27 +307,20 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     q_head_row = (b * H + h).to(gl.int64) * N
     kv_head_row = bg.to(gl.int64) * N
     set_row = seg * W + off
+    # the producer copies by cp.async (Qx a tensor; each of its threads arrives) or by TMA
+    CP_ASYNC: gl.constexpr = GATHER and RUN == 0
+    dtype: gl.constexpr = Qx.dtype.element_ty if CP_ASYNC else Qx.dtype
+    arrivals: gl.constexpr = PRODUCER_WARPS * 32 if CP_ASYNC else 1
     if GATHER:
-        if RUN:
-            dtype: gl.constexpr = Qx.dtype
-            arrivals: gl.constexpr = 1
-            CP_ASYNC: gl.constexpr = False
-        else:
-            dtype: gl.constexpr = Qx.dtype.element_ty
-            arrivals: gl.constexpr = PRODUCER_WARPS * 32  # every producer thread arrives
-            CP_ASYNC: gl.constexpr = True
         q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
         k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HEAD_D], dtype)
         kd_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CONSUMERS * KEYS, HEAD_D // 2],
                                                                    dtype)
         pos_set = off * stride_po + seg * stride_ps
     else:
-        dtype: gl.constexpr = Qx.dtype
         q_sl: gl.constexpr = Qx.layout
         k_sl: gl.constexpr = Kx.layout
         kd_sl: gl.constexpr = KDx.layout
-        arrivals: gl.constexpr = 1
-        CP_ASYNC: gl.constexpr = False
         pos_set = 0
     ds_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CONSUMERS * KEYS, BLOCK_M], dtype)
 

@@ -314,25 +314,18 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     n_tiles = set_len // BLOCK_N
     if CAUSAL:  # key tiles up to the one holding the CTA's last query
         n_tiles = gl.minimum(n_tiles, (q_first + CONSUMERS * BLOCK_M + BLOCK_N - 1) // BLOCK_N)
+    # the producer copies by cp.async (Qx a tensor; each of its threads arrives) or by TMA
+    CP_ASYNC: gl.constexpr = GATHER and RUN == 0
+    dtype: gl.constexpr = Qx.dtype.element_ty if CP_ASYNC else Qx.dtype
+    arrivals: gl.constexpr = PRODUCER_WARPS * 32 if CP_ASYNC else 1
     if GATHER:
-        if RUN:
-            dtype: gl.constexpr = Qx.dtype
-            arrivals: gl.constexpr = 1
-            CP_ASYNC: gl.constexpr = False
-        else:
-            dtype: gl.constexpr = Qx.dtype.element_ty
-            arrivals: gl.constexpr = PRODUCER_WARPS * 32  # every producer thread arrives
-            CP_ASYNC: gl.constexpr = True
         q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
         kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
         first_row = bh.to(gl.int64) * N  # Out, Acc, Lse: [B, H, N]
         pos_set = off * stride_po + seg * stride_ps
     else:
-        dtype: gl.constexpr = Qx.dtype
         q_sl: gl.constexpr = Qx.layout
         kv_sl: gl.constexpr = Kx.layout
-        arrivals: gl.constexpr = 1
-        CP_ASYNC: gl.constexpr = False
         first_row = bh.to(gl.int64) * N + seg * W + off + q_first * R
         pos_set = 0
 
