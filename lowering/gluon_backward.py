@@ -5,8 +5,8 @@ branch's dq, dk, dv come from here, a string says why the Triton kernels compute
 (logged once per reason, as the forward's choice is: lowering/gluon_forward.py). A branch runs
 here on the same terms as the Hopper forward (compute capability 9.x, Triton 3.6, float16 or
 bfloat16, head dims 64 and 128, no mask, no dropout, whole sets, q, k, v contiguous or
-[B, N, H, D] transposed), and not when deterministic algorithms are asked for: dq is added by
-float32 atomics in an order that varies.
+[B, N, H, D] transposed, N * D and Hkv * N under 2**31), and not when deterministic algorithms
+are asked for: dq is added by float32 atomics in an order that varies.
 """
 from __future__ import annotations
 
@@ -38,8 +38,11 @@ def unsupported(q, k, v, plan, *, is_causal: bool, mask_kind: int, dropout: bool
                 deterministic: bool) -> str | None:
     """None when the Hopper kernel can run this branch's backward, else why not."""
     reason = gluon_forward._unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale)
+    n = q.shape[2]
     if reason is None and deterministic:
         reason = "deterministic algorithms asked for (the Hopper kernel adds dq by atomics)"
+    elif reason is None and max(q.shape[-1], k.shape[1]) * n >= 2**31:
+        reason = "N * D or Hkv * N reaches 2**31 (the kernel's offsets within a head are int32)"
     return gluon_forward._note(reason, plan, "backward")
 
 

@@ -94,6 +94,11 @@ def test_refused_on_cpu_and_under_deterministic_algorithms(monkeypatch):
     why = gluon_backward.unsupported(q, q, q, plan, is_causal=False, mask_kind=0, dropout=False,
                                      scale=0.125, deterministic=True)
     assert "deterministic" in why
+    # offsets within a head are int32 in the kernel: N * D must stay under 2**31
+    huge = torch.empty(1, 1, 2**24, 128, dtype=torch.bfloat16, device="meta")
+    why = gluon_backward.unsupported(huge, huge, huge, plan, is_causal=False, mask_kind=0,
+                                     dropout=False, scale=0.125, deterministic=False)
+    assert "2**31" in why
 
 
 def test_run_lengths():
