@@ -9,8 +9,9 @@ query tiles (BLOCK_M = 64 rows) for every query head of its kv head that selects
 
 - a producer partition loads the CTA's keys and values once (and the keys again as two column
   halves [128, D/2], dQ's right-hand operand), then q and dout tiles into rings of STAGES slots
-  guarded by `ready` / `empty` mbarriers: TMA boxes of the forward's 2-D views for strided sets,
-  cp.async through the plan's positions (GATHER) for the Hilbert order's others;
+  guarded by `ready` / `empty` mbarriers: TMA boxes of the forward's 2-D views for strided sets
+  (a box a tile) and for the Hilbert order's sets made of stride-r runs (a box a run, RUN),
+  cp.async through the plan's positions for its other sets;
 - two consumer warpgroups, per query tile, with P recomputed from the final lse (lse2 = lse *
   log2 e) and delta = rowsum(dout * out) (lowering/triton_kernels.py's _bwd_preprocess):
       S^T = K_c q^T,  dP^T = V_c dout^T           (asynchronous wgmma from shared memory)

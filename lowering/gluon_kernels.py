@@ -20,6 +20,8 @@ The producer reaches the rows where they lie, with no copy of q, k, v:
   [rows, r * row_length] makes the set's members one column block of consecutive rows
   (gluon_forward._view). Row and column of member m of set j of head `hx` (offset o = h % r):
   row = b * RB + hx * RH + j * (w / r) + m, column = o * CO + hx * CH.
+- the Hilbert order's sets made of runs (GATHER, RUN > 0: its r = 2 sets, a checkerboard of the
+  curve's grid, are a stride-2 run per grid row): one warp, a TMA box of the same 2-D view a run.
 - the Hilbert order's other sets (GATHER): two warps, cp.async of 16 bytes a thread from the rows
   the plan's positions name (Hopper's TMA cannot gather rows). Every producer thread arrives on
   the slot's `ready` barrier when its own copies have landed (cp.async.mbarrier.arrive.noinc),
