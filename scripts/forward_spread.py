@@ -7,9 +7,11 @@ between runs while the floor's moved by 2% (BENCHMARKS.md, eighth session). This
 `--allocations` sets of q, k, v (each its own memory) and times the forward of each, and the
 floor on each, round after round (hilbert_fx.bench's timing). If a time follows its allocation
 across rounds, the addresses matter (DRAM channels under strided rows); if it drifts with the
-round, the clock does.
+round, the clock does. Last, the host's time to enqueue one call, and the time per call back to
+back (the GPU never waiting for the host).
 """
 import argparse
+import time
 
 import torch
 
@@ -39,6 +41,24 @@ def main():
         floor = [_time(fn, False, []) for fn, _ in floors]
         print(f"{rnd:5}  " + "  ".join(f"{a:5.3f}/{b:5.3f}={b / a:4.2f}"
                                        for a, b in zip(ours, floor)), flush=True)
+    # the host's time to enqueue one call (no synchronisation inside): when it exceeds what the
+    # GPU still has queued, do_bench's events count the GPU waiting for the host
+    q, k, v = inputs[0]
+    for name, fn in (("triton", lambda: dilated_attention(q, k, v, W, R, hilbert=hilbert,
+                                                         lowering="triton")),
+                     ("floor", floors[0][0])):
+        with torch.no_grad():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                fn()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+        print(f"{name}: host enqueue {1e3 * (t1 - t0) / 20:.3f} ms a call, "
+              f"GPU {1e3 * (t2 - t0) / 20:.3f} ms a call back to back", flush=True)
 
 
 if __name__ == "__main__":
