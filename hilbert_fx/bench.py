@@ -17,6 +17,7 @@ import argparse
 import csv
 import math
 import os
+import statistics
 import sys
 
 import torch
@@ -149,6 +150,9 @@ def parse_args(argv=None):
     p.add_argument("--mode", choices=["fwd", "fwdbwd", "both"], default="both")
     p.add_argument("--max-len", type=str, nargs="*", default=["dense=131072", "flex=65536", "sdpa=262144"],
                    help="per-method longest length, e.g. dense=131072 (they grow as N^2 or copy a lot)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every method this many times, in turn (A B A B ...), and report the "
+                        "median: a GPU at its power limit lowers its clocks for a while")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     return p.parse_args(argv)
 
@@ -225,8 +229,11 @@ def main(argv=None):
     title = (f"{gpu}, {args.dtype}, B={args.batch} H={args.heads} D={args.head_dim}, branches "
              f"{list(zip(args.segment_lengths, args.dilation_rates))}, hilbert={args.hilbert}, "
              f"causal={args.causal}")
-    rows, largest, stopped = [], {}, set()
-    jobs = [(n, mode, m) for n in args.seq_lens for mode in modes for m in args.methods]
+    if args.rounds > 1:
+        title += f"; median of {args.rounds} rounds, the methods timed in turn"
+    samples, largest, stopped = {}, {}, set()
+    jobs = [(n, mode, m) for n in args.seq_lens for mode in modes
+            for _ in range(args.rounds) for m in args.methods]
     for n, mode, method in tqdm(jobs, desc="bench", unit="run"):
         key = (method, mode)
         if key in stopped or n > int(limits.get(method, 1 << 62)):
@@ -244,12 +251,17 @@ def main(argv=None):
             tqdm.write(f"{method} {mode}: out of memory at N={n}; stopping it")
             torch.cuda.empty_cache()
             continue
-        flops = useful_flops(n, args.batch, args.heads, args.head_dim, args.segment_lengths,
-                             args.dilation_rates, args.causal) * (3.5 if backward else 1.0)
-        rows.append(dict(N=n, mode=mode, method=method, ms=ms, tflops=flops / ms / 1e9,
-                         us_per_token=ms * 1e3 / n))
+        samples.setdefault((n, mode, method), []).append(ms)
         largest[key] = n
         torch.cuda.empty_cache()
+
+    rows = []
+    for (n, mode, method), times in samples.items():
+        ms = statistics.median(times)
+        flops = useful_flops(n, args.batch, args.heads, args.head_dim, args.segment_lengths,
+                             args.dilation_rates, args.causal) * (3.5 if mode == "fwdbwd" else 1.0)
+        rows.append(dict(N=n, mode=mode, method=method, ms=ms, tflops=flops / ms / 1e9,
+                         us_per_token=ms * 1e3 / n))
 
     text = format_table(rows, title, args.methods, args.seq_lens, modes, largest,
                         gluon_forward.kernel_choices() if "triton" in args.methods else [])

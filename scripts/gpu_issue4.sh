@@ -1,11 +1,12 @@
 #!/bin/bash
 # One device call for issue 4: the Triton lowering against the float64 reference, then the benchmark.
-#   bash scripts/gpu_issue4.sh   (OUT must be set; STEPS picks parts: check main scale hilbert causal d64 sweep)
+#   bash scripts/gpu_issue4.sh   (OUT must be set; STEPS picks parts: check main scale hilbert causal d64 sweep;
+#   ROUNDS=3 times every method three times in turn and reports medians)
 export PYTHONPATH=.:tests PYTHONUNBUFFERED=1
 STEPS=${STEPS:-"check main"}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-B="python3 -m hilbert_fx.bench --segment-lengths 2048 4096 8192 16384 --dilation-rates 1 2 4 8 --heads 16 --head-dim 128 --dtype bfloat16"
+B="python3 -m hilbert_fx.bench --segment-lengths 2048 4096 8192 16384 --dilation-rates 1 2 4 8 --heads 16 --head-dim 128 --dtype bfloat16 --rounds ${ROUNDS:-1}"
 for s in $STEPS; do
   echo "=== step $s"
   case $s in
