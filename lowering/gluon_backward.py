@@ -10,8 +10,6 @@ are asked for: dq is added by float32 atomics in an order that varies.
 """
 from __future__ import annotations
 
-import torch
-
 from . import gluon_forward
 
 LOG2E = 1.4426950408889634
@@ -46,15 +44,6 @@ def unsupported(q, k, v, plan, *, is_causal: bool, mask_kind: int, dropout: bool
     return gluon_forward._note(reason, plan, "backward")
 
 
-def _descriptor(x, r: int, box: list[int]):
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    view, *row_col = gluon_forward._view(x, r)
-    gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), box, layout), row_col
-
-
 def launch(q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2, delta, plan, positions, *,
            is_causal: bool, scale: float, first: bool, last: bool) -> None:
     """One branch's gradients, as lowering/triton_kernels.py's dK/dV and dq kernels would leave
@@ -78,7 +67,7 @@ def launch(q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2, delta, pla
         tensors, coords = [], []
         for x, box in ((q, [run or bm, d]), (k, [run or 64, d]), (k, [run or CTA_KEYS, d // 2]),
                        (v, [run or 64, d]), (dout, [run or bm, d])):
-            desc, row_col = _descriptor(x, r, box)
+            desc, row_col = gluon_forward._descriptor(x, r, box)
             tensors.append(desc)
             if box[1] == d:  # the second descriptor of k shares the first's coordinates
                 coords += row_col

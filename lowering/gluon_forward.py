@@ -71,6 +71,16 @@ def _view(x: torch.Tensor, r: int):
     return None
 
 
+def _descriptor(x: torch.Tensor, r: int, box: list[int]):
+    """(TMA descriptor of x's 2-D view with boxes `box`, (RB, RH, CH, CO) of the view: _view)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    view, *row_col = _view(x, r)
+    gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), box, layout), row_col
+
+
 def _whole_sets(plan) -> bool:
     """Whether the plan is N / w segments of w / r members each (checked once per plan)."""
     whole = getattr(plan, "_whole_sets", None)
@@ -175,8 +185,6 @@ def launch(q, k, v, out, acc, lse, plan, positions, *, is_causal: bool, scale: f
     """One branch into (out, acc, lse) as lowering/triton_kernels.py's _fwd_kernel would; out and
     acc contiguous [B, H, N, D], lse contiguous [B, H, N]. Strided sets are read by TMA, others
     through `positions` (int32 [r, segments, >= w / r], lowering/triton_lowering._plan_tensors)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.experimental.gluon import language as gl
     kern = _load()
     b, hq, n, d = q.shape
     w, r = plan.segment_length, plan.dilation_rate
@@ -184,13 +192,10 @@ def launch(q, k, v, out, acc, lse, plan, positions, *, is_causal: bool, scale: f
     grid = ((w // r) // CTA_ROWS, n // w, b * hq)
     run = plan_run(plan)
     if plan.is_strided or run:
-        gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
         tensors, coords = [], []
         for x, rows in ((q, tiles["BLOCK_M"]), (k, tiles["BLOCK_N"]), (v, tiles["BLOCK_N"])):
-            view, *row_col = _view(x, r)
-            block = [run or rows, d]
-            layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
-            tensors.append(TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout))
+            desc, row_col = _descriptor(x, r, [run or rows, d])
+            tensors.append(desc)
             coords += row_col
         regs = dict(GATHER=not plan.is_strided, RUN=run, **_TMA_PRODUCER)
     else:

@@ -483,15 +483,23 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
     # `atomic`) adds to by atomics, and the Triton dq kernel reads wherever it writes
     dq_zeroed = atomic or any(hopper)
     alone = covers and len(order) == 1  # FIRST and LAST: no float32 buffer at all
-    grads = [torch.empty((b, h, n, dim) if covers else (0,), dtype=q.dtype, device=q.device)
-             for h, dim in ((hq, d), (hkv, d), (hkv, dv))]  # written by the r == 1 branch
-    dk, dvb, dq = grads[1:] + grads[:1] if alone else [
-        torch.empty(b, h, n, dim, dtype=torch.float32, device=q.device)
-        for h, dim in ((hkv, d), (hkv, dv), (hq, d))]
-    nothing = torch.empty(0, dtype=torch.uint8, device=q.device)  # Seen of a FIRST launch
+
+    def new(h, dim, dtype=torch.float32, used=True):
+        return torch.empty((b, h, n, dim) if used else (0,), dtype=dtype, device=q.device)
+
+    # the gradients in the inputs' dtype, written by the r == 1 branch (dq's not when dq is
+    # summed in the zeroed buffer), and the float32 sums of the branches before it
+    grads = [new(hq, d, q.dtype, covers and not dq_zeroed), new(hkv, d, q.dtype, covers),
+             new(hkv, dv, q.dtype, covers)]
+    dk, dvb = grads[1:] if alone else (new(hkv, d), new(hkv, dv))
     if dq_zeroed:
         dq = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
-        every_q = torch.ones(hq, n, dtype=torch.uint8, device=q.device)  # dq's Seen
+    else:
+        dq = grads[0] if alone else new(hq, d)
+    nothing = torch.empty(0, dtype=torch.uint8, device=q.device)  # Seen of a FIRST launch
+    # the Seen of a Triton dq kernel adding to the zeroed dq: every row (made only if one runs)
+    every_q = torch.ones(hq, n, dtype=torch.uint8, device=q.device) \
+        if dq_zeroed and not atomic and not all(hopper) else nothing
     common = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=c["block_d"], BLOCK_DV=c["block_dv"],
                   CAUSAL=bool(is_causal), MASK_KIND=c["mask_kind"], DROPOUT=c["dropout"],
                   UPCAST=c["upcast"], PRECISION=c["precision"],
