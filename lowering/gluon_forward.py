@@ -31,9 +31,12 @@ CTA_ROWS = 128  # two consumers of BLOCK_M = 64 query rows
 BLOCK_N = 128
 _TILES = {64: dict(BLOCK_M=64, BLOCK_N=BLOCK_N, STAGES=3), 128: dict(BLOCK_M=64, BLOCK_N=BLOCK_N, STAGES=2)}
 # warps and registers of the partitions: two consumers of one warpgroup each, and a producer of one
-# warp issuing TMA copies, or of two warps issuing cp.async ones (fastest of 1, 2 and 4 on an H200)
+# warp issuing TMA copies, or of four warps issuing cp.async ones. The cp.async producer reads a
+# tile's positions once, before its wait; then four warps at 40 registers took 4% (D = 128) and
+# 6 to 7% (D = 64) fewer cycles than two at 56 (the r = 4 and 8 Hilbert branches at N = 64K, ncu
+# on an H200, BENCHMARKS.md ninth session)
 _TMA_PRODUCER = dict(PRODUCER_WARPS=1, PRODUCER_REGS=24, CONSUMER_REGS=240, num_warps=4)
-_GATHER_PRODUCER = dict(PRODUCER_WARPS=2, PRODUCER_REGS=56, CONSUMER_REGS=224, num_warps=4)
+_GATHER_PRODUCER = dict(PRODUCER_WARPS=4, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4)
 
 _kernels = None
 _import_error: str | None = None
