@@ -10,10 +10,9 @@ B="python3 -m hilbert_fx.bench --segment-lengths 2048 4096 8192 16384 --dilation
 for s in $STEPS; do
   echo "=== step $s"
   case $s in
-    check) mkdir -p $OUT/f32 $OUT/bf16  # the two dtypes compile in parallel
-       timeout 300 python3 scripts/gpu_check.py --lowerings triton --dtypes float32 --out $OUT/f32 > /tmp/f32.log 2>&1 &
-       timeout 300 python3 scripts/gpu_check.py --lowerings triton --dtypes bfloat16 float16 --out $OUT/bf16 > /tmp/bf16.log 2>&1; wait
-       cat /tmp/f32.log /tmp/bf16.log ;;
+    check) for t in float32 bfloat16 float16; do  # the three dtypes compile in parallel
+         mkdir -p $OUT/$t; timeout 480 python3 scripts/gpu_check.py --lowerings triton --dtypes $t --out $OUT/$t > /tmp/$t.log 2>&1 & done; wait
+       cat /tmp/float32.log /tmp/bfloat16.log /tmp/float16.log ;;
     main) timeout 540 $B --seq-lens 16384 65536 --mode both --methods floor triton sdpa dense flex --max-len flex=16384 --out $OUT ;;
     scale) mkdir -p /tmp/scale; timeout 300 $B --seq-lens 16384 65536 262144 1048576 --mode fwd --methods floor triton --out /tmp/scale; cat /tmp/scale/bench.md ;;
     hilbert) mkdir -p /tmp/h; for h in --hilbert --no-hilbert; do timeout 120 $B $h --seq-lens 65536 --mode both --methods triton floor --out /tmp/h; cat /tmp/h/bench.md; done ;;
