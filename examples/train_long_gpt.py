@@ -3,26 +3,29 @@
 The model: a transformers Llama (random initialisation), by default 12 layers, width 1024, 16 heads.
 The task: copying at distance d. Each sequence is a block of d uniform random tokens (vocab 64)
 repeated to length N, so every token from position d on equals the token d positions back; the
-loss is taken on positions d+1.. only. By default d = N/2 + 1 (--shift 1): the answer lies about
-half the sequence back. A model that does not use the context cannot go below ln(vocab) = 4.159
-(the unigram floor, printed at the start): a loss clearly under that line, at d = N/2 + 1, is
-long-range retrieval. Sitting at 4.16 means nothing was retrieved.
+loss is taken on positions d+1.. only. A model that does not use the context cannot go below
+ln(vocab) = 4.159 (the unigram floor, printed at the start): a loss clearly under that line is
+retrieval from d tokens back. Sitting at 4.16 means nothing was retrieved.
 
-Why d = N/2 + 1 and hilbert=False (1-D text): to predict token p+1 the model reads position
+The curriculum (default): train at distance --d0 (33) first and double d (kept = 1 mod max(rate))
+each time the mean loss of the last 10 steps falls under --advance (1.5), up to N/2 + 1. Each
+log line prints the d of that step. On an H200 at 32K tokens the default run goes from 4.26 to
+about 1.6 at d = 33 within 1100 steps and then learns d = 65 (BENCHMARKS.md: in 4200 steps it
+got to d = 513, starting from the floor again after each doubling). --d0 0 trains at
+d = N/2 + --shift from the start.
+
+Why d = 1 mod max(rate) and hilbert=False (1-D text): to predict token p+1 the model reads position
 p + 1 - d. With d = 1 mod max(rate), that position has the same residue mod r as p for every
 branch, so the query and its answer share a selected set in the whole-sequence branch (r = 16,
 the head with offset p mod 16) and retrieval is one hop. With d = N/2 (or Hilbert-ordered sets)
 the answer is never in the query's own set there and must be routed through a second hop.
 
---d0 D turns on a curriculum: train at distance D first and double d (kept = 1 mod max(rate))
-each time the mean loss of the last 10 steps falls under --advance, up to N/2 + 1. Each log line
-prints the d of that step.
+In the same run (GPU): the first of --backends trains --steps steps, the others --compare-steps
+(40: enough for their step time and peak memory); then the step time and peak memory of the
+dilated backend and of backend="inductor" (dense, FlashAttention through SDPA) at the training
+length, and, with --probe, the longest context each can train one step on.
 
-In the same run (GPU): step time and peak memory of the dilated backend and of
-backend="inductor" (dense, FlashAttention through SDPA) at the training length, and the longest
-context each can train one step on.
-
-    python examples/train_long_gpt.py --steps 400 --seq-len 32768
+    python examples/train_long_gpt.py --seq-len 32768 --probe 131072 262144 393216
     python examples/train_long_gpt.py --device cpu --layers 2 --width 128 --heads 16 --seq-len 512 --steps 30 \
         --segment-lengths 32 64 128 256 512 --backends hilbert_dilated
 """
@@ -99,7 +102,7 @@ def make_backend(args):
     return hilbert_fx.backend(segment_lengths=w, dilation_rates=r, hilbert=bool(getattr(args, "hilbert", False)))
 
 
-def train(args, device, backend_name):
+def train(args, device, backend_name, steps):
     args.backend = backend_name
     model = build_model(args, device)
     compiled = torch.compile(model, backend=make_backend(args), dynamic=False)
@@ -115,7 +118,7 @@ def train(args, device, backend_name):
     rmax = max(args.dilation_rates)
     d = min(full, getattr(args, "d0", 0) or full)    # curriculum: start at d0, double when learned
     at_d, distances = [], []
-    for step in range(args.steps):
+    for step in range(steps):
         if d < full and len(at_d) >= 10 and sum(at_d[-10:]) / 10 < getattr(args, "advance", 1.0):
             d, at_d = min(full, 2 * (d // rmax) * rmax + full % rmax), []
         tokens, labels = batch(args, args.seq_len, device, gen, d)
@@ -133,7 +136,7 @@ def train(args, device, backend_name):
         losses.append(loss.item())
         at_d.append(losses[-1])
         distances.append(d)
-        if step % args.log_every == 0 or step == args.steps - 1:
+        if step % args.log_every == 0 or step == steps - 1:
             print(f"  [{backend_name}] step {step:4d}  d {d:6d}  loss {losses[-1]:.3f}  ({times[-1] * 1e3:.0f} ms)", flush=True)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     steady = sorted(times[min(3, len(times) - 1):])
@@ -183,14 +186,16 @@ def main():
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=32768)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--steps", type=int, default=1500, help="training steps of the first backend")
+    p.add_argument("--compare-steps", type=int, default=40,
+                   help="training steps of the other backends (enough for step time and peak memory)")
+    p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--segment-lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     p.add_argument("--dilation-rates", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--shift", type=int, default=1, help="copy distance d = seq_len / 2 + shift")
-    p.add_argument("--d0", type=int, default=0, help="curriculum: first copy distance (0: none)")
-    p.add_argument("--advance", type=float, default=1.0, help="curriculum: double d when the loss falls under this")
+    p.add_argument("--d0", type=int, default=33, help="curriculum: first copy distance (0: none, d = N/2 + shift)")
+    p.add_argument("--advance", type=float, default=1.5, help="curriculum: double d when the loss falls under this")
     p.add_argument("--warmup", type=int, default=20, help="linear learning-rate warm-up steps")
     p.add_argument("--hilbert", type=int, default=0, help="1: Hilbert-ordered dilation (2-D data)")
     p.add_argument("--backends", nargs="+", default=["hilbert_dilated", "inductor"])
@@ -201,10 +206,12 @@ def main():
     args = p.parse_args()
     device = torch.device(args.device)
     results = {"args": vars(args).copy(), "train": [], "longest": {}}
-    print(f"copy task, distance {copy_distance(args, args.seq_len)}, vocab {args.vocab}: a model that ignores the context sits at ln(vocab) = "
+    full = copy_distance(args, args.seq_len)
+    distance = f"distance {args.d0} doubling up to {full}" if 0 < args.d0 < full else f"distance {full}"
+    print(f"copy task, {distance}, vocab {args.vocab}: a model that ignores the context sits at ln(vocab) = "
           f"{math.log(args.vocab):.3f}")
-    for name in args.backends:
-        results["train"].append(train(args, device, name))
+    for i, name in enumerate(args.backends):
+        results["train"].append(train(args, device, name, args.steps if i == 0 else args.compare_steps))
     if args.probe and device.type == "cuda":
         for name in args.backends:
             results["longest"][name] = longest_context(args, device, name)
