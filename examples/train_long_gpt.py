@@ -204,7 +204,7 @@ def main():
     p.add_argument("--compare-steps", type=int, default=40,
                    help="training steps of the other backends (enough for step time and peak memory)")
     p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--segment-lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     p.add_argument("--dilation-rates", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--shift", type=int, default=1, help="copy distance d = seq_len / 2 + shift")
