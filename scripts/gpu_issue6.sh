@@ -14,7 +14,7 @@ for c in ${CASES:-32k 64k 128k sparse32k}; do
     64k) args="--seq-len 65536" ;;
     128k) args="--seq-len 131072" ;;
     sparse32k) args="--seq-len 32768 --segment-lengths 2048 32768 --dilation-rates 1 16 --backends hilbert_dilated" ;;
-    *) args="$c" ;;
+    *) echo "unknown case $c (32k 64k 128k sparse32k)"; continue ;;
   esac
   mkdir -p $OUT/$c
   echo "=== $c: $args"
