@@ -9,7 +9,7 @@ from .backend import HilbertBackend, backend, hilbert_dilated
 from .config import DilatedConfig
 from .explain import Report, SiteReport, explain
 from .pattern import key_counts, plot_pattern
-from .scope import dilate
+from .scope import dilate, undilate
 
 __all__ = ["backend", "dilate", "dilated_attention", "explain", "hilbert_dilated",
-           "hilbert_order", "key_counts", "plot_pattern", "DilatedConfig", "HilbertBackend", "Report", "SiteReport"]
+           "hilbert_order", "key_counts", "plot_pattern", "undilate", "DilatedConfig", "HilbertBackend", "Report", "SiteReport"]

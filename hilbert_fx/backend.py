@@ -2,58 +2,116 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
+import torch
 import torch.fx as fx
 
-from .config import DilatedConfig
+from .config import DEFAULT_DILATION_RATES, DEFAULT_SEGMENT_LENGTHS, DilatedConfig
 from .detect import find_sites
-from .rewrite import rewrite
-from .sites import Site
+from .rewrite import graph_is_scoped, rewrite
+from .scope import compiled_roots, module_names
+from .sites import Site, qualified_name
 
 
 @dataclass
 class GraphRecord:
-    """What the pass did to one compiled graph."""
+    """What the pass did to one compiled graph (its subgraphs' code follows the graph's own)."""
     sites: list[Site]
     graph_before: str
     graph_after: str
 
 
+def subgraphs(gm: fx.GraphModule, prefix: str = "") -> list[tuple[str, fx.GraphModule]]:
+    """The graphs that higher-order ops of `gm` run, depth first: checkpointed regions
+    (torch.utils.checkpoint puts each in one), autocast and no_grad regions, cond branches,
+    nested compile regions. Attention inside them is attention of the model."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        sub = gm
+        for part in str(node.target).split("."):
+            sub = getattr(sub, part, None)
+        if isinstance(sub, fx.GraphModule) and all(sub is not g for _, g in found):
+            name = prefix + str(node.target)
+            found.append((name, sub))
+            found.extend(subgraphs(sub, name + "."))
+    return found
+
+
+def graph_code(gm: fx.GraphModule) -> str:
+    parts = [gm.code]
+    for name, sub in subgraphs(gm):
+        parts.append(f"\n# subgraph {name}\n{sub.code}")
+    return "".join(parts)
+
+
+def inductor(mode: Optional[str] = None, options: Optional[dict] = None):
+    """Inductor with torch.compile's `mode` and `options`, set up exactly as
+    torch.compile(backend="inductor", mode=..., options=...) sets it up."""
+    return torch._TorchCompileInductorWrapper(mode, options, None)
+
+
 @dataclass
 class HilbertBackend:
-    """A torch.compile backend with one configuration (SPEC section 1b)."""
+    """A torch.compile backend with one configuration (SPEC section 1b). torch.compile hands it
+    `mode` and `options`, which go on to Inductor."""
     config: DilatedConfig = field(default_factory=DilatedConfig)
     compile_with_inductor: bool = True
     records: list = field(default_factory=list, repr=False)
     keep_records: bool = False
 
     def transform(self, gm: fx.GraphModule) -> GraphRecord:
-        before = gm.code
-        sites = rewrite(gm, find_sites(gm.graph), self.config)
-        record = GraphRecord(sites, before, gm.code)
+        before = graph_code(gm)
+        graphs = [gm] + [sub for _, sub in subgraphs(gm)]
+        roots = compiled_roots()
+        scoped = any(graph_is_scoped(g.graph, roots) for g in graphs)
+        names = module_names()
+        sites = []
+        for g in graphs:
+            found = find_sites(g.graph)
+            for site in found:
+                site.module = qualified_name(site.output, names) or site.module
+            sites.extend(rewrite(g, found, self.config, scoped=scoped, roots=roots))
+        record = GraphRecord(sites, before, graph_code(gm))
         if self.keep_records:
             self.records.append(record)
         return record
 
-    def __call__(self, gm: fx.GraphModule, example_inputs):
+    def __call__(self, gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = None,
+                 options: Optional[dict] = None):
+        compile_fx = inductor(mode, options)  # bad mode or options fail before any work
         self.transform(gm)
         if not self.compile_with_inductor:
             return gm.forward
-        from torch._inductor.compile_fx import compile_fx
         return compile_fx(gm, example_inputs)
 
 
 def backend(segment_lengths=None, dilation_rates=None, *, hilbert: bool = True,
             lowering: str = "auto", mesh=None) -> HilbertBackend:
     """A configured backend: torch.compile(model, backend=hilbert_fx.backend(...))."""
-    defaults = DilatedConfig()
+    if (segment_lengths is None) != (dilation_rates is None):
+        given, default_name, default = (
+            ("segment_lengths", "dilation_rates", DEFAULT_DILATION_RATES)
+            if dilation_rates is None else
+            ("dilation_rates", "segment_lengths", DEFAULT_SEGMENT_LENGTHS))
+        values = segment_lengths if dilation_rates is None else dilation_rates
+        try:
+            count = len(values)
+        except TypeError:
+            count = None
+        if count is not None and count != len(default):
+            raise ValueError(
+                f"{given} has {count} entries but {default_name} was not given, and its default "
+                f"{default} has {len(default)}: pass {default_name} too, one per segment length")
     config = DilatedConfig(
-        tuple(segment_lengths) if segment_lengths is not None else defaults.segment_lengths,
-        tuple(dilation_rates) if dilation_rates is not None else defaults.dilation_rates,
+        tuple(segment_lengths) if segment_lengths is not None else DEFAULT_SEGMENT_LENGTHS,
+        tuple(dilation_rates) if dilation_rates is not None else DEFAULT_DILATION_RATES,
         hilbert, lowering, mesh)
     return HilbertBackend(config)
 
 
-def hilbert_dilated(gm: fx.GraphModule, example_inputs):
+def hilbert_dilated(gm: fx.GraphModule, example_inputs, **kwargs):
     """The registered backend "hilbert_dilated", with the default configuration."""
-    return HilbertBackend()(gm, example_inputs)
+    return HilbertBackend()(gm, example_inputs, **kwargs)

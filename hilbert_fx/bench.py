@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from lowering import dilated_attention, gluon_forward
 from lowering.plans import branch_plans, hilbert_order
 
+from .pattern import optional_import, pyplot
+
 METHODS = ("dense", "flex", "sdpa", "triton", "floor")
 
 
@@ -158,9 +160,7 @@ def parse_args(argv=None):
 
 
 def plot(rows, path, title):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the benchmark's plot")
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for (method, mode) in sorted({(r["method"], r["mode"]) for r in rows}):
@@ -219,7 +219,7 @@ def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("the benchmark needs a CUDA GPU")
-    from tqdm import tqdm
+    tqdm = optional_import("tqdm", "the benchmark").tqdm
 
     device = torch.device("cuda")
     os.makedirs(args.out, exist_ok=True)

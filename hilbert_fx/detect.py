@@ -299,9 +299,25 @@ def find_sdpa_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list[Si
     return sites
 
 
+# ---------------------------------------------------------------------------------------------
+# FlexAttention: reported, not rewritten (its score_mod and mask_mod are graphs the pass does not
+# read, so it cannot prove what the call attends to)
+# ---------------------------------------------------------------------------------------------
+FLEX_REASON = ("FlexAttention: the pass does not read its score_mod / mask_mod, so it cannot "
+               "prove the pattern; left as it is")
+
+
+def find_flex_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list[Site]:
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)
+    return [Site(kind="flex", output=node, q=node.args[0], k=node.args[1], v=node.args[2],
+                 reason=FLEX_REASON, region={node})
+            for node in graph.nodes if node.op == "call_function" and node.target is flex]
+
+
 def _finders():
     from . import detect_manual, detect_mha
-    return [find_sdpa_sites, detect_mha.find_mha_sites, detect_manual.find_manual_sites]
+    return [find_sdpa_sites, detect_mha.find_mha_sites, detect_manual.find_manual_sites,
+            find_flex_sites]
 
 
 def _check_shapes(site: Site) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,7 @@ from .backend import HilbertBackend
 
 @dataclass(frozen=True)
 class SiteReport:
-    kind: str  # "sdpa" | "mha" | "manual"
+    kind: str  # "sdpa" | "mha" | "manual" | "flex"
     module: str | None  # qualified name of the innermost module
     action: str  # "rewritten" | "skipped"
     reason: str  # why skipped; "" when rewritten
@@ -52,11 +53,16 @@ def explain(model, *args, backend=None, **kwargs) -> Report:
     recorder.records = []
     recorder.keep_records = True
     recorder.compile_with_inductor = False
-    torch._dynamo.reset()
-    try:
-        torch.compile(model, backend=recorder)(*args, **kwargs)
-    finally:
-        torch._dynamo.reset()
+    # A backend of its own makes Dynamo compile the model afresh, and leaves what the user
+    # compiled before as it was (no torch._dynamo.reset(), no recompilation of their models).
+    # Dynamo's entries of one code object are capped (recompile_limit), and every explain adds
+    # one: where torch.compile can keep a call's entries apart (isolate_recompiles) they are
+    # kept apart, elsewhere the cap is lifted for this call.
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        torch.compile(model, backend=recorder, isolate_recompiles=True)(*args, **kwargs)
+    else:
+        with torch._dynamo.config.patch(recompile_limit=1 << 20):
+            torch.compile(model, backend=recorder)(*args, **kwargs)
     sites = []
     for record in recorder.records:
         for s in record.sites:

@@ -1,9 +1,27 @@
 """`plot_pattern`: a picture of which keys each query sees, with and without the Hilbert order."""
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from lowering import check_branches
+
+
+def optional_import(name: str, what: str):
+    """Import an optional dependency, or say which extra brings it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise ImportError(f"{what} needs {name.split('.')[0]}, which hilbert_fx does not install "
+                          f"by default: pip install 'hilbert-fx[bench]' (from a checkout: "
+                          f"pip install -e '.[bench]')") from e
+
+
+def pyplot(what: str):
+    """matplotlib.pyplot on the Agg backend (files, no screen)."""
+    optional_import("matplotlib", what).use("Agg")
+    return optional_import("matplotlib.pyplot", what)
 from lowering.plans import branch_plans
 
 
@@ -30,10 +48,7 @@ def plot_pattern(segment_lengths, dilation_rates, seq_len: int, path: str = "pat
     `image_width` (tokens that are a 2-D image of that width, row-major), a bottom row shows the
     keys that query `query` sees, laid out on the image. Returns the path written.
     """
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("plot_pattern")
     rows = 2 if image_width else 1
     fig, axes = plt.subplots(rows, 2, figsize=(10, 5 * rows), squeeze=False)
     for col, hilbert in enumerate((False, True)):

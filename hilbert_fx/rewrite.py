@@ -85,10 +85,38 @@ def rewrite_site(graph: fx.Graph, site: Site, config: DilatedConfig) -> fx.Node:
     return out
 
 
-def rewrite(gm: fx.GraphModule, sites: list[Site], default: DilatedConfig) -> list[Site]:
-    """Rewrite what may be rewritten, mark the rest skipped; returns the sites."""
-    roots = compiled_roots()
-    scoped = graph_is_scoped(gm.graph, roots)
+def remove_dead(graph: fx.Graph, freed: list, regions: set) -> None:
+    """Erase what the rewrite left without users, starting from the nodes it freed: the rest of
+    the graph stays exactly as Dynamo made it (nodes kept only for their effects, such as vmap's
+    nesting levels, have no users either). In-place ops die only inside rewritten attentions."""
+    def removable(node):
+        if getattr(node, "_erased", False) or node.users or node.op in ("placeholder", "output"):
+            return False
+        return not node.is_impure() and not (is_inplace(node) and node not in regions)
+
+    work = list(freed)
+    while work:
+        node = work.pop()
+        if getattr(node, "_erased", False):
+            continue
+        for user in list(node.users):  # x.mul_(s) whose x is otherwise dead
+            if is_inplace(user) and removable(user):
+                work.extend(n for n in user.all_input_nodes if n is not node)
+                graph.erase_node(user)
+        if removable(node):
+            inputs = node.all_input_nodes
+            graph.erase_node(node)
+            work.extend(inputs)
+
+
+def rewrite(gm: fx.GraphModule, sites: list[Site], default: DilatedConfig, *,
+            scoped: Optional[bool] = None, roots=None) -> list[Site]:
+    """Rewrite what may be rewritten, mark the rest skipped; returns the sites. `scoped`: does
+    any module of the compiled model carry `dilate` (decided once for a graph and its
+    subgraphs)."""
+    roots = compiled_roots() if roots is None else roots
+    scoped = graph_is_scoped(gm.graph, roots) if scoped is None else scoped
+    freed = []
     # Last site first: a site's inputs may be an earlier site's output, which that site's rewrite
     # then replaces everywhere, in the nodes inserted for the later site included.
     for site in reversed(sites):
@@ -100,16 +128,16 @@ def rewrite(gm: fx.GraphModule, sites: list[Site], default: DilatedConfig) -> li
             elif mesh_reason(site, config):
                 site.reason = mesh_reason(site, config)
             else:
+                freed.extend(site.output.all_input_nodes)
                 rewrite_site(gm.graph, site, config)
                 continue
         site.action = "skipped"
-    # Dead code goes, but in-place ops (x.mul_(2), x += m) only inside rewritten attentions.
-    dead = set().union(*(s.region for s in sites if s.action == "rewritten"))
-    gm.graph.eliminate_dead_code(
-        is_impure_node=lambda n: n.is_impure() or (is_inplace(n) and n not in dead))
-    gm.graph.lint()
-    gm.recompile()
+    if any(s.action == "rewritten" for s in sites):
+        remove_dead(gm.graph, freed, set().union(*(s.region for s in sites if s.action == "rewritten")))
+        gm.graph.lint()
+        gm.recompile()
     for site in sites:
         log_site(site)
-    log.debug("rewritten graph:\n%s", gm.code)
+    if sites:
+        log.debug("rewritten graph:\n%s", gm.code)
     return sites

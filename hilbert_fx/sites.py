@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch.fx as fx
 
-KINDS = ("sdpa", "mha", "manual")
+KINDS = ("sdpa", "mha", "manual", "flex")
 
 
 @dataclass
@@ -52,7 +52,8 @@ class Site:
     region: set = field(default_factory=set)
 
 
-_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+# "L['self'].layers.0", "L['args'][0].model.layers.0": the frame's local, then the path in it
+_ROOT = re.compile(r"^L\['[^']*'\](\[\d+\])*\.?")
 
 
 def module_stack(node: fx.Node) -> tuple[Optional[str], list[type]]:
@@ -65,6 +66,19 @@ def module_stack(node: fx.Node) -> tuple[Optional[str], list[type]]:
     name = entries[-1][0]
     name = _ROOT.sub("", name) if isinstance(name, str) else None
     return (name or None), [t for t in types if isinstance(t, type)]
+
+
+def qualified_name(node: fx.Node, names: dict) -> Optional[str]:
+    """The innermost module's name in the outermost known root (scope.module_names), from the
+    module ids that key Dynamo's module stack; None where they are not ids of known modules."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    key = list(stack)[-1]
+    try:
+        return names.get(int(key)) or None
+    except (TypeError, ValueError):
+        return None
 
 
 def example(node) -> Optional[object]:

@@ -1,0 +1,110 @@
+"""Activation checkpointing: Dynamo puts each checkpointed region in a subgraph of a higher-order
+op; the pass finds attention there too, and the compiled model trains (through Inductor) as the
+same model with the float64 reference in place of its attention."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as checkpoint
+
+import hilbert_fx
+from models import TinyTransformer
+from reference import reference_dilated_attention
+from test_backend import with_reference
+
+W, R = (8, 16), (1, 2)
+N = 37
+
+
+class Checkpointed(nn.Module):
+    """TinyTransformer whose layers run under torch.utils.checkpoint."""
+    def __init__(self, model: TinyTransformer, use_reentrant: bool):
+        super().__init__()
+        self.model, self.use_reentrant = model, use_reentrant
+
+    def forward(self, tokens):
+        x = self.model.embed(tokens)
+        for layer in self.model.layers:
+            x = checkpoint.checkpoint(layer, x, use_reentrant=self.use_reentrant)
+        return self.model.head(x)
+
+
+def assert_grads_close(model, reference):
+    for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad.double(), p_ref.grad, atol=5e-5, rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_checkpointed_layers_are_rewritten_and_train_as_the_reference(use_reentrant):
+    torch.manual_seed(0)
+    model = TinyTransformer(width=32, heads=4, layers=2, causal=True)
+    reference = with_reference(model, W, R, hilbert=True)
+    tokens = torch.randint(0, 50, (2, N))
+    be = hilbert_fx.backend(W, R, lowering="sdpa")
+
+    report = hilbert_fx.explain(Checkpointed(model, use_reentrant), tokens, backend=be)
+    assert [(s.module, s.action) for s in report.sites] == [
+        ("model.layers.0.attn", "rewritten"), ("model.layers.1.attn", "rewritten")], str(report)
+    assert "torch.ops.hilbert_fx.dilated_attention" in "".join(report.graph_after)
+
+    torch._dynamo.reset()
+    out = torch.compile(Checkpointed(model, use_reentrant), backend=be)(tokens)
+    expected = reference(tokens)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+    grad = torch.randn_like(expected)
+    out.backward(grad.float())
+    expected.backward(grad)
+    assert_grads_close(model, reference)
+
+
+def hf_llama(attn_implementation):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, vocab_size=96,
+                                      max_position_embeddings=64,
+                                      attn_implementation=attn_implementation)
+    return transformers.LlamaForCausalLM(config)
+
+
+def register_reference_attention(hilbert):
+    """A transformers attention implementation that runs the float64 reference (causal)."""
+    transformers = pytest.importorskip("transformers")
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        out = reference_dilated_attention(query, key, value, W, R, hilbert=hilbert, is_causal=True,
+                                          scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+
+    transformers.AttentionInterface.register("hilbert_fx_reference", attention)
+    transformers.AttentionMaskInterface.register(
+        "hilbert_fx_reference", transformers.masking_utils.sdpa_mask)
+    return "hilbert_fx_reference"
+
+
+def test_transformers_gradient_checkpointing_trains_as_the_reference():
+    torch.manual_seed(0)
+    model = hf_llama("sdpa")
+    reference = copy.deepcopy(model).double()
+    reference.config._attn_implementation = register_reference_attention(hilbert=True)
+    model.gradient_checkpointing_enable()
+    reference.gradient_checkpointing_enable()
+    model.train()
+    reference.train()
+    ids = torch.randint(1, 96, (2, N))
+    be = hilbert_fx.backend(W, R, lowering="sdpa")
+
+    report = hilbert_fx.explain(model, input_ids=ids, labels=ids, backend=be)
+    rows = [(s.module, s.action) for s in report.sites]
+    assert rows == [("model.layers.0.self_attn", "rewritten"),
+                    ("model.layers.1.self_attn", "rewritten")], str(report)
+
+    torch._dynamo.reset()
+    loss = torch.compile(model, backend=be)(input_ids=ids, labels=ids).loss
+    expected = reference(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(loss.double(), expected.double(), atol=2e-5, rtol=1e-5)
+    loss.backward()
+    expected.backward()
+    assert_grads_close(model, reference)

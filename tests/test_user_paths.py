@@ -1,0 +1,200 @@
+"""What a user meets around the pass: torch.compile's modes and options, graphs the pass must
+not touch (vmap, FlexAttention), `explain` beside compiled models, `dilate` and torch.save,
+module names, configuration messages, optional dependencies."""
+from __future__ import annotations
+
+import builtins
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hilbert_fx
+from models import SelfAttention, TinyTransformer
+from reference import reference_dilated_attention
+
+W, R = (8, 16), (1, 2)
+
+
+def attention(q):
+    return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+@pytest.mark.parametrize("kwargs", [dict(mode="reduce-overhead"), dict(mode="max-autotune"),
+                                    dict(mode="max-autotune-no-cudagraphs"),
+                                    dict(options={"max_autotune": False, "trace.enabled": False})],
+                         ids=["reduce-overhead", "max-autotune", "no-cudagraphs", "options"])
+@pytest.mark.parametrize("registered", [False, True], ids=["configured", "registered"])
+def test_compile_modes_and_options_go_on_to_inductor(kwargs, registered):
+    torch._dynamo.reset()
+    q = torch.randn(1, 2, 23, 8)
+    if registered:  # the default branches (2048, 1), (4096, 2), ...
+        be, w, r = "hilbert_dilated", (2048, 4096, 8192, 16384), (1, 2, 4, 8)
+    else:
+        be, w, r = hilbert_fx.backend(W, R, lowering="sdpa"), W, R
+    out = torch.compile(attention, backend=be, **kwargs)(q)
+    expected = reference_dilated_attention(q, q, q, w, r, hilbert=True, is_causal=True)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_options_reach_inductor():
+    """An option Inductor does not know fails as it does with backend="inductor"."""
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="no_such_option"):
+        torch.compile(attention, backend=hilbert_fx.backend(W, R),
+                      options={"no_such_option": 1})(torch.randn(1, 2, 9, 8))
+
+
+def test_a_graph_without_attention_reaches_inductor_unchanged():
+    """vmap's nesting calls have no users; dead-code elimination would drop them."""
+    def f(x):
+        return x.sin() * 2
+
+    be = hilbert_fx.backend((32,), (1,))
+    x = torch.randn(3, 4)
+    torch._dynamo.reset()
+    out = torch.compile(lambda x: torch.vmap(f)(x) + 1, backend=be)(x)
+    torch.testing.assert_close(out, f(x) + 1)
+    report = hilbert_fx.explain(lambda x: torch.vmap(f)(x) + 1, x, backend=be)
+    assert report.graph_before == report.graph_after
+    assert "_vmap_increment_nesting" in report.graph_after[0]
+
+
+def test_vmap_beside_a_rewritten_site_is_kept():
+    def f(q):
+        return attention(q) + torch.vmap(torch.sin)(q)
+
+    q = torch.randn(1, 2, 23, 8)
+    torch._dynamo.reset()
+    out = torch.compile(f, backend=hilbert_fx.backend(W, R, lowering="sdpa"))(q)
+    expected = reference_dilated_attention(q, q, q, W, R, hilbert=True, is_causal=True) + q.sin()
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_flex_attention_runs_and_is_reported():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, vocab_size=96,
+                                      attn_implementation="flex_attention")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(1, 96, (2, 12))
+    be = hilbert_fx.backend((8,), (1,))
+    with torch.no_grad():
+        report = hilbert_fx.explain(model, input_ids=ids, backend=be)
+        torch._dynamo.reset()
+        out = torch.compile(model, backend=be)(input_ids=ids).logits
+        torch.testing.assert_close(out, model(input_ids=ids).logits)
+    assert [(s.kind, s.module, s.action) for s in report.sites] == [
+        ("flex", "model.layers.0.self_attn", "skipped"),
+        ("flex", "model.layers.1.self_attn", "skipped")], str(report)
+    assert all("FlexAttention" in s.reason for s in report.sites)
+
+
+def test_explain_leaves_compiled_models_alone():
+    compilations = []
+
+    def counting(gm, example_inputs):
+        compilations.append(gm)
+        return gm.forward
+
+    model = TinyTransformer()
+    tokens = torch.randint(0, 50, (1, 20))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counting)
+    compiled(tokens)
+    for _ in range(10):  # more than Dynamo's recompile limit of one code object
+        report = hilbert_fx.explain(model, tokens, backend=hilbert_fx.backend(W, R))
+        assert [s.action for s in report.sites] == ["rewritten", "rewritten"]
+    compiled(tokens)
+    assert len(compilations) == 1
+
+
+def test_dilated_instance_survives_torch_save_and_can_be_undone():
+    model = TinyTransformer()
+    hilbert_fx.dilate(model.layers[0].attn, segment_lengths=(4,), dilation_rates=(2,))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    config = hilbert_fx.DilatedConfig((4,), (2,))
+    assert type(loaded.layers[0].attn).__mro__[1] is SelfAttention
+    assert type(loaded.layers[0].attn)._hilbert_fx_config == config
+    tokens = torch.randint(0, 50, (1, 21))
+    torch.testing.assert_close(loaded(tokens), model(tokens))
+    report = hilbert_fx.explain(loaded, tokens, backend=hilbert_fx.backend(W, R))
+    assert [(s.module, s.action) for s in report.sites] == [
+        ("layers.0.attn", "rewritten"), ("layers.1.attn", "skipped")]
+
+    assert hilbert_fx.undilate(loaded.layers[0].attn) is loaded.layers[0].attn
+    assert type(loaded.layers[0].attn) is SelfAttention
+    report = hilbert_fx.explain(loaded, tokens, backend=hilbert_fx.backend(W, R))
+    assert [s.action for s in report.sites] == ["rewritten", "rewritten"]
+
+
+def test_undilate_a_class():
+    class Marked(SelfAttention):
+        pass
+
+    hilbert_fx.dilate(Marked, segment_lengths=(4,), dilation_rates=(2,))
+    assert hasattr(Marked, "_hilbert_fx_config")
+    hilbert_fx.undilate(Marked)
+    assert not hasattr(Marked, "_hilbert_fx_config")
+    with pytest.raises(ValueError, match="undilate"):
+        hilbert_fx.undilate(3)
+
+
+def test_transformers_module_names_start_at_the_compiled_model():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, vocab_size=96,
+                                      attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        report = hilbert_fx.explain(model, input_ids=torch.randint(1, 96, (1, 12)),
+                                    backend=hilbert_fx.backend((8,), (1,)))
+    assert [s.module for s in report.sites] == ["model.layers.0.self_attn",
+                                                "model.layers.1.self_attn"], str(report)
+
+
+def test_backend_says_which_default_it_used():
+    with pytest.raises(ValueError, match=r"dilation_rates was not given.*\(1, 2, 4, 8\)"):
+        hilbert_fx.backend(segment_lengths=(64, 128))
+    with pytest.raises(ValueError, match=r"segment_lengths was not given"):
+        hilbert_fx.backend(dilation_rates=(1, 2))
+    assert hilbert_fx.backend(segment_lengths=(64, 128, 256, 512)).config.dilation_rates == (1, 2, 4, 8)
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    for name in [m for m in sys.modules if m.startswith("matplotlib")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(ImportError, match=r"hilbert-fx\[bench\]"):
+        hilbert_fx.plot_pattern((8,), (1,), seq_len=16, path=os.devnull)
+
+
+def test_torch_logs_name_transformers_modules_from_the_model():
+    pytest.importorskip("transformers")
+    code = (
+        "import torch, transformers, hilbert_fx\n"
+        "c = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,"
+        " intermediate_size=64, vocab_size=96, attn_implementation='sdpa')\n"
+        "m = transformers.LlamaForCausalLM(c)\n"
+        "with torch.no_grad():\n"
+        "    torch.compile(m, backend=hilbert_fx.backend((8,), (1,)))(input_ids=torch.ones(1, 9, dtype=torch.long))\n")
+    env = dict(os.environ, TORCH_LOGS="hilbert_fx")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "sdpa attention in model.layers.0.self_attn: rewritten" in res.stderr, res.stderr[-3000:]
