@@ -40,5 +40,7 @@ def keep_mask(seed: torch.Tensor, batch: torch.Tensor, head: torch.Tensor, query
 
 
 def new_seed(device: torch.device) -> torch.Tensor:
-    """A fresh seed drawn from torch's default generator, so torch.manual_seed makes it repeat."""
-    return torch.randint(0, 1 << 31, (), dtype=torch.int64).to(device)
+    """A fresh seed drawn from the device's default generator (torch.manual_seed makes it
+    repeat). Drawn on the device itself: no host tensor and no copy per call, so a CUDA graph
+    can capture it, and a replay draws a new one."""
+    return torch.randint(0, 1 << 31, (), dtype=torch.int64, device=device)

@@ -77,7 +77,7 @@ def run_case(case, lowering_name, dtype, device):
     keep = None
     if dropout_p:
         torch.manual_seed(7)
-        seed = lowering.dropout.new_seed(torch.device("cpu"))
+        seed = lowering.dropout.new_seed(out.device).cpu()  # the op's draw, repeated
         ar = torch.arange(n)
         keep = keep_mask(seed, torch.arange(b).view(b, 1, 1, 1), torch.arange(hq).view(1, hq, 1, 1),
                          ar.view(1, 1, n, 1), ar.view(1, 1, 1, n), dropout_p)
@@ -115,6 +115,7 @@ def main():
              f"bf16+mask -> {block_attention.kernel_for(torch.device('cuda'), torch.bfloat16, 64, True, False)}",
              f"{'lowering':8} {'dtype':9} {'case':16} {'out':>9} {'dq':>9} {'dk':>9} {'dv':>9}  ok"]
     worst = {}
+    failed = []
     print("\n".join(lines), flush=True)
     for lw, dt, case in itertools.product(args.lowerings, args.dtypes, CASES):
         dtype = getattr(torch, dt)
@@ -123,18 +124,24 @@ def main():
         except Exception as e:  # noqa: BLE001 - report and go on to the next case
             lines.append(f"{lw:8} {dt:9} {case[0]:16} ERROR {type(e).__name__}: {str(e)[:200]}")
             print(lines[-1], flush=True)
+            failed.append((lw, dt, case[0]))
             continue
         tol = 2e-3 if dt == "float32" else 2e-2
         ok = finite and max(errs) < tol
+        if not ok:
+            failed.append((lw, dt, case[0]))
         worst[(lw, dt)] = max(worst.get((lw, dt), 0.0), max(errs))
         lines.append(f"{lw:8} {dt:9} {case[0]:16} " + " ".join(f"{e:9.2e}" for e in errs)
                      + f"  {'PASS' if ok else 'FAIL'}")
         print(lines[-1], flush=True)
     lines.append("worst relative error: " + ", ".join(f"{k[0]}/{k[1]} {v:.2e}" for k, v in worst.items()))
+    lines.append(f"{len(failed)} of {len(args.lowerings) * len(args.dtypes) * len(CASES)} cases "
+                 f"failed" + (": " + ", ".join("/".join(f) for f in failed) if failed else ""))
     text = "\n".join(lines)
-    print(lines[-1])
+    print("\n".join(lines[-2:]))
     with open(os.path.join(args.out, "gpu_check.txt"), "w") as f:
         f.write(text + "\n")
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
