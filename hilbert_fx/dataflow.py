@@ -151,6 +151,11 @@ class DataFlow:
         import networkx as nx
         return nx.ancestors(self.dag, node) | {node}
 
+    def descendants(self, node: fx.Node) -> set:
+        """The nodes computed from `node`, itself excluded."""
+        import networkx as nx
+        return nx.descendants(self.dag, node)
+
     def escapes(self, region: set, output: fx.Node) -> list:
         """The edges by which a value of `region` other than `output` reaches a node outside it:
         empty when the region is closed (its intermediate values die with it)."""

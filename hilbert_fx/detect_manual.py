@@ -4,10 +4,14 @@ One normalising matcher, not a list of patterns. From each softmax over the last
 walks up the producers of the scores and down to the product with v, reading every node as one
 of a few canonical steps:
 
-    scores side:  cast | scale (x * c, c * x, x / c) | additive mask (x + m, x - m) |
+    scores side:  cast | regroup | scale (x * c, c * x, x / c) | additive mask (x + m, x - m) |
                   boolean mask (masked_fill(m, -inf), where(m, x, -inf)) | the score product
                   (matmul, @, bmm, einsum, baddbmm with its alpha and beta*input)
-    probs side:   cast | dropout | the product with v (matmul, @, bmm, einsum)
+    probs side:   cast | regroup | dropout | the product with v (matmul, @, bmm, einsum)
+
+A regroup is a view / reshape / flatten / unflatten that keeps the last two dims (queries, keys)
+and either keeps the shape or folds [B, H] into [B*H] or unfolds it back, as Bloom, Falcon and
+DeBERTa do between their folded products and a [B, H, N, N] softmax; its H tells the head count.
 
 In-place steps (x.mul_(c), x += m, masked_fill_) are read as the value they leave behind. The
 score product fixes q and k: k^T may be k.transpose, permute, .mT or einsum subscripts; heads
@@ -17,8 +21,9 @@ that causal triangles become is_causal and the rest one attn_mask (detect.resolv
 
 A softmax whose scores are not a product of two activations, or whose probabilities reach no
 product with another tensor (classifier heads, MoE routers), is not attention and not reported.
-One that is attention but cannot be expressed (a softcap, weights returned) is reported, skipped,
-with the reason. Nothing is changed in the graph here: canonical nodes are inserted by
+One that is attention but cannot be expressed (a softcap, weights returned, a term added to the
+scores that is computed from q or k, such as DeBERTa's content-to-position bias) is reported,
+skipped, with the reason. Nothing is changed in the graph here: canonical nodes are inserted by
 Site.adapt_inputs / adapt_output when the site is rewritten.
 """
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .dataflow import DataFlow, is_inplace
+from .dataflow import DataFlow, _same_size, is_inplace
 from .detect import FORBIDDEN, MaskTerm, build_mask, mask_shape, resolve_masks, unrepeat_kv
 from .sites import Site, example
 
@@ -68,6 +73,8 @@ for _name, _targets_of in {
     "transpose": _targets("transpose", "swapaxes", "swapdims", "ops.aten.transpose.int"),
     "permute": _targets("permute", "ops.aten.permute.default"),
     "cast": _targets("clone", "ops.aten.clone.default", "ops.aten._to_copy.default"),
+    "reshape": _targets("reshape", "flatten", "unflatten", "ops.aten.view.default",
+                        "ops.aten.reshape.default", "ops.aten._unsafe_view.default"),
 }.items():
     for _t in _targets_of:
         _FUNCTIONS[_t] = _name
@@ -80,7 +87,8 @@ _METHODS = {
     "to": "cast", "float": "cast", "half": "cast", "double": "cast", "bfloat16": "cast",
     "type": "cast", "type_as": "cast", "contiguous": "cast", "clone": "cast",
     "transpose": "transpose", "swapaxes": "swapaxes", "swapdims": "transpose", "permute": "permute",
-    "where": "where_method",
+    "where": "where_method", "view": "reshape", "reshape": "reshape", "flatten": "reshape",
+    "unflatten": "reshape", "view_as": "reshape", "reshape_as": "reshape",
 }
 
 
@@ -117,7 +125,11 @@ def _is_tensor(node) -> bool:
 
 
 class _Fail(Exception):
-    pass
+    """Why a softmax's scores or probabilities cannot be read. `graph_input`: the reading stopped
+    at an input of the graph (the scores were computed before a graph break)."""
+    def __init__(self, reason: str, graph_input: bool = False):
+        super().__init__(reason)
+        self.graph_input = graph_input
 
 
 @dataclass
@@ -127,6 +139,7 @@ class _Scores:
     terms: list                     # MaskTerms
     region: set = field(default_factory=set)
     runtime: list = field(default_factory=list)  # (op, scalar node): run-time scales of q.k
+    heads: list = field(default_factory=list)    # H of every regroup that folds or unfolds heads
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,6 +200,27 @@ def _softmax_dim(node: fx.Node):
     return _kw(node, 1, "dim")
 
 
+def _regroup(node: fx.Node) -> tuple[bool, Optional[int]]:
+    """A "reshape" step over scores or probabilities: (True, None) when it keeps the shape,
+    (True, H) when it folds [B, H, i, j] into [B*H, i, j] or unfolds [B*H, i, j] into
+    [B, H, i, j] (views are row-major, so these are the only readings), (False, None) otherwise."""
+    src, out = _shape(node.args[0]) if node.args else None, _shape(node)
+    if src is None or out is None:
+        return False, None
+    if len(src) == len(out) and all(_same_size(a, b) for a, b in zip(src, out)):
+        return True, None
+    if len(src) < 2 or len(out) < 2 or not (_same_size(src[-1], out[-1])
+                                            and _same_size(src[-2], out[-2])):
+        return False, None
+    if len(src) == 4 and len(out) == 3 and _same_size(src[0] * src[1], out[0]):
+        heads = src[1]
+    elif len(src) == 3 and len(out) == 4 and _same_size(out[0] * out[1], src[0]):
+        heads = out[1]
+    else:
+        return False, None
+    return (True, heads) if isinstance(heads, int) else (False, None)
+
+
 # ---------------------------------------------------------------------------------------------
 # The scores side
 # ---------------------------------------------------------------------------------------------
@@ -196,9 +230,10 @@ def _runtime_scalar(x) -> bool:
 
 
 def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int = 0,
-                 runtime: Optional[list] = None) -> _Scores:
+                 runtime: Optional[list] = None, heads: Optional[list] = None) -> _Scores:
     terms, region = [], set()
     runtime = [] if runtime is None else runtime
+    heads = [] if heads is None else heads
 
     def unscaled(what):  # masks applied before a run-time scale would be scaled by it
         if runtime:
@@ -208,9 +243,21 @@ def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int
             raise _Fail("the scores are not a tensor of the graph")
         x = _read(flow, consumer, x)
         region.add(x)
+        if x.op == "placeholder" and flow.is_activation(x):
+            raise _Fail("the scores come from outside this graph (a graph break before the "
+                        "softmax): the pass cannot see that they are q k^T", graph_input=True)
         name = op_name(x)
         args = _operands(x)
         if name == "cast":
+            consumer, x = x, args[0]
+            continue
+        if name == "reshape":
+            ok, h = _regroup(x)
+            if not ok:
+                raise _Fail(f"a {x.target if x.op == 'call_method' else 'reshape'} between the "
+                            f"scores and the softmax that does more than fold or unfold the heads")
+            if h is not None:
+                heads.append(h)
             consumer, x = x, args[0]
             continue
         if name in ("mul", "div"):
@@ -249,14 +296,16 @@ def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int
             if depth > 4:
                 raise _Fail("too many masks added to the scores")
             unscaled("a mask added")
+            marks = len(runtime), len(heads)
             try:
-                inner = _walk_scores(flow, x, a, factor, depth + 1, runtime)
+                inner = _walk_scores(flow, x, a, factor, depth + 1, runtime, heads)
                 term = MaskTerm(b, "add", factor * sign * alpha)
             except _Fail as first:
                 if name == "sub":
                     raise
+                del runtime[marks[0]:], heads[marks[1]:]  # what the failed reading collected
                 try:
-                    inner = _walk_scores(flow, x, b, factor, depth + 1, runtime)
+                    inner = _walk_scores(flow, x, b, factor, depth + 1, runtime, heads)
                     term = MaskTerm(a, "add", factor)
                 except _Fail:
                     raise first from None
@@ -293,16 +342,19 @@ def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int
                 continue
             raise _Fail("a where() between the scores and the softmax that is not a mask")
         if name in ("matmul", "bmm", "einsum"):
-            return _Scores(x, factor, terms, region, runtime)
-        if name == "baddbmm":
+            return _Scores(x, factor, terms, region, runtime, heads)
+        if name == "baddbmm":  # beta * input + alpha * (batch1 @ batch2)
             beta = x.kwargs.get("beta", 1)
             alpha = x.kwargs.get("alpha", 1)
             if not isinstance(beta, (int, float)) or not isinstance(alpha, (int, float)):
                 raise _Fail("baddbmm with run-time beta or alpha")
             if beta != 0:
                 unscaled("baddbmm's input")
-                terms.append(MaskTerm(args[0], "add", factor * beta))
-            return _Scores(x, factor * alpha, terms, region, runtime)
+                bias = _kw(x, 0, "input", x.kwargs.get("self"))
+                if not _is_tensor(bias):
+                    raise _Fail("baddbmm's input is not a tensor")
+                terms.append(MaskTerm(bias, "add", factor * beta))
+            return _Scores(x, factor * alpha, terms, region, runtime, heads)
         what = x.target if x.op == "call_method" else getattr(x.target, "__name__", str(x.target))
         raise _Fail(f"{what} between the scores and the softmax is not part of attention")
     raise _Fail("the scores are computed through too many steps")
@@ -318,8 +370,8 @@ def _product_operands(node: fx.Node) -> tuple[Optional[str], list]:
         if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
             ops = list(ops[0])
         return spec, list(ops)
-    if name == "baddbmm":
-        return None, [args[1], args[2]]
+    if name == "baddbmm":  # alibi.baddbmm(batch1=q, batch2=k^T) names its operands
+        return None, [_kw(node, 1, "batch1"), _kw(node, 2, "batch2")]
     return None, [args[0], args[1] if len(args) > 1 else node.kwargs.get("other")]
 
 
@@ -347,9 +399,8 @@ def _looks_like_attention_upstream(flow: DataFlow, x, depth: int = 8) -> bool:
 # ---------------------------------------------------------------------------------------------
 def _value_products(flow: DataFlow, softmax: fx.Node, depth: int = 6) -> list:
     """Products (matmul, bmm, einsum) that the probabilities reach through shape-preserving
-    steps, with the tensor they multiply: [(product, probs operand, v operand)]."""
+    steps and regroups, with the tensor they multiply: [(product, probs operand, v operand)]."""
     found, frontier, seen = [], [softmax], {softmax}
-    shape = _shape(softmax)
     for _ in range(depth):
         nxt = []
         for n in frontier:
@@ -365,23 +416,34 @@ def _value_products(flow: DataFlow, softmax: fx.Node, depth: int = 6) -> list:
                         if spec is not None or ops[0] is n:
                             found.append((u, n, other))
                             continue
-                if _shape(u) == shape:
+                if _shape(u) == _shape(n) or (
+                        name == "reshape" and u.args[0] is n and _regroup(u)[0]):
                     nxt.append(u)
         frontier = nxt
     return found
 
 
-def _walk_probs(flow: DataFlow, product: fx.Node, x, softmax: fx.Node) -> tuple[float, set]:
-    """From the product's probs operand up to the softmax: (dropout_p, region)."""
-    dropout_p, region, consumer = 0.0, set(), product
+def _walk_probs(flow: DataFlow, product: fx.Node, x, softmax: fx.Node) -> tuple[float, set, list]:
+    """From the product's probs operand up to the softmax: (dropout_p, region, the H of every
+    regroup that folds or unfolds heads)."""
+    dropout_p, region, consumer, heads = 0.0, set(), product, []
     for _ in range(24):
         x = _read(flow, consumer, x)
         region.add(x)
         if x is softmax:
-            return dropout_p, region
+            return dropout_p, region, heads
         name = op_name(x)
         args = _operands(x)
         if name == "cast":
+            consumer, x = x, args[0]
+            continue
+        if name == "reshape":
+            ok, h = _regroup(x)
+            if not ok:
+                raise _Fail("a view of the attention probabilities that does more than fold or "
+                            "unfold the heads")
+            if h is not None:
+                heads.append(h)
             consumer, x = x, args[0]
             continue
         if name == "dropout":
@@ -391,7 +453,8 @@ def _walk_probs(flow: DataFlow, product: fx.Node, x, softmax: fx.Node) -> tuple[
             else:
                 p = _kw(x, 1, "p", 0.5)
                 training = _kw(x, 2, "train" if x.target is torch.dropout else "training", True)
-            if not isinstance(p, (int, float)) or not isinstance(training, bool):
+            # out of training p does not matter (a float attribute made dynamic, say)
+            if not isinstance(training, bool) or (training and not isinstance(p, (int, float))):
                 raise _Fail("dropout on the attention probabilities with run-time arguments")
             if training and p > 0:
                 if dropout_p:
@@ -615,6 +678,25 @@ def _heads_downstream(node: fx.Node, bh: int) -> Optional[int]:
 # ---------------------------------------------------------------------------------------------
 # The finder
 # ---------------------------------------------------------------------------------------------
+def _content_term(flow: DataFlow, terms: list, q: fx.Node, k: fx.Node) -> Optional[MaskTerm]:
+    """The first mask term computed from the content of q or k (a node on their way from the
+    activation they share), or None. Such a term (DeBERTa's c2p / p2c: q, k times position
+    embeddings) is part of the scores, not a mask that the op could take. What q and k read
+    besides that activation (rotary tables from position ids, say) is no content: masks may
+    share it."""
+    candidates = [t for t in terms if flow.is_activation(t.node)]
+    if not candidates:
+        return None
+    source, _ = flow.common_source([q, k])
+    if source is None:
+        return None  # not self-attention: the site is skipped with that reason
+    content = (flow.ancestors(q) | flow.ancestors(k)) & flow.descendants(source)
+    for t in candidates:
+        if flow.ancestors(t.node) & content:
+            return t
+    return None
+
+
 def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Site]:
     shape = _shape(softmax)
     if shape is None or len(shape) < 2:
@@ -627,7 +709,7 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Site]:
     try:
         scores = _walk_scores(flow, softmax, src, 1.0)
     except _Fail as fail:
-        if _looks_like_attention_upstream(flow, src):
+        if fail.graph_input or _looks_like_attention_upstream(flow, src):
             return Site(kind="manual", output=products[0][0], reason=str(fail))
         return None
     spec, ops = _product_operands(scores.product)
@@ -644,7 +726,7 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Site]:
         site.reason = f"the softmax is over dim {dim}, not the keys (the last dimension)"
         return site
     try:
-        dropout_p, probs_region = _walk_probs(flow, product, probs, softmax)
+        dropout_p, probs_region, probs_heads = _walk_probs(flow, product, probs, softmax)
         q, k, nb, letters = _score_geometry(scores.product, spec, ops)
         vop, out_perm = _value_geometry(product, probs, v, letters, nb)
     except _Fail as fail:
@@ -658,6 +740,19 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Site]:
         site.reason = ("attention weights are used outside the attention" if after else
                        "the attention scores are used outside the attention")
         return site
+    content = _content_term(flow, scores.terms, q.node, k.node)
+    if content is not None:
+        what = "a term added to the scores" if content.kind == "add" else "a mask of the scores"
+        site.reason = (f"{what} is computed from the queries or keys (content-to-position "
+                       f"relative attention, as DeBERTa's c2p / p2c): not a mask, which must "
+                       f"not depend on q or k")
+        return site
+    view_heads = set(scores.heads) | set(probs_heads)
+    if len(view_heads) > 1:
+        site.reason = (f"the views between the scores and v fold different head counts "
+                       f"{sorted(view_heads)}")
+        return site
+    view_h = next(iter(view_heads), None)
     site.region = region
     site.scale = float(scores.factor)
     site.dropout_p = dropout_p
@@ -667,7 +762,8 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Site]:
     heads = None
     if nb == 1:  # heads folded into the batch: [B*H, N, D]
         bh, n, d = qs
-        heads = (_heads_upstream(q.node, bh, n, d) or _heads_upstream(k.node, bh, ks[1], ks[2])
+        heads = (view_h or _heads_upstream(q.node, bh, n, d)
+                 or _heads_upstream(k.node, bh, ks[1], ks[2])
                  or _heads_upstream(vop.node, bh, vs[1], vs[2]) or _heads_downstream(product, bh))
         if heads is None:
             site.reason = ("the heads are folded into the batch ([B*H, N, D]) and no reshape "
@@ -692,22 +788,25 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Site]:
     n = qs[2] if len(qs) == 4 else None
     is_causal, kept = resolve_masks(flow, scores.terms, n) if n is not None else (False, scores.terms)
     site.is_causal = is_causal
-    site.shapes = {"q": qs, "k": ks, "v": vs, "mask": mask_shape(kept, heads)}
-    simple_mask = not kept or (len(kept) == 1 and heads is None and (
+    # Masks met where the scores are [B*H, i, j] are unfolded by the head count. Where they are
+    # [B, H, i, j] a 3-D mask broadcasts as [1 or H, i, j], which the same unfold reads right.
+    mask_heads = heads if heads is not None else view_h
+    site.shapes = {"q": qs, "k": ks, "v": vs, "mask": mask_shape(kept, mask_heads)}
+    simple_mask = not kept or (len(kept) == 1 and mask_heads is None and (
         (kept[0].kind == "allow" and getattr(example(kept[0].node), "dtype", None) == torch.bool)
         or (kept[0].kind == "add" and kept[0].factor == 1.0)))
     if q.plain and k.plain and vop.plain and heads is None and simple_mask and not scores.runtime:
         site.attn_mask = kept[0].node if kept else None
     else:
         def adapt_inputs(graph: fx.Graph, q=q, k=k, vop=vop, heads=heads, kept=kept,
-                         runtime=tuple(scores.runtime)):
+                         runtime=tuple(scores.runtime), mask_heads=mask_heads):
             nodes = [op.build(graph) for op in (q, k, vop)]
             for op, scalar in runtime:  # run-time scales of the scores go onto q
                 nodes[0] = graph.call_function(operator.mul if op == "mul" else operator.truediv,
                                                (nodes[0], scalar))
             if heads is not None:
                 nodes = [graph.call_method("unflatten", (x, 0, (-1, heads))) for x in nodes]
-            return (*nodes, build_mask(graph, kept, heads))
+            return (*nodes, build_mask(graph, kept, mask_heads))
         site.adapt_inputs = adapt_inputs
         site.attn_mask = None
 

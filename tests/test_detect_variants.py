@@ -49,7 +49,8 @@ def repeat_kv(x, rep):  # as in Hugging Face Llama
 # ---------------------------------------------------------------------------------------------
 # The variants: (name, function(m, x, keep), mask kind, kv heads). m is the Variant module (its
 # weight m.w, a causal buffer, an nn.Softmax, an nn.Dropout); keep [B, N] is True where a key
-# is real (a padding mask). Mask kinds: None, "causal" or "padding".
+# is real (a padding mask). Mask kinds: None, "causal", "padding" or ("alibi", c): the padding
+# mask and c times alibi() added to the scores.
 # ---------------------------------------------------------------------------------------------
 def v_matmul_transpose_mul(m, x, keep):
     q, k, v = project(x, m.w)
@@ -225,6 +226,47 @@ def v_padding_inplace_add_folded(m, x, keep):  # heads folded, mask added in pla
     return merge(torch.bmm(s.softmax(-1), v).view(B, H, N, D))
 
 
+def alibi(n):
+    """ALiBi as Bloom and Falcon build it: slope_h times the key's position, [H, 1, n], a float
+    bias that depends on neither q nor k."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
+    return slopes[:, None, None] * torch.arange(n)[None, None, :]
+
+
+def padding_additive(keep, dtype):
+    return (1.0 - keep[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+
+
+BETA = 0.5
+
+
+def v_baddbmm_alibi_regrouped(m, x, keep):  # Bloom: beta * alibi + alpha * q k^T over [B*H, N, N]
+    q, k, v = (t.reshape(B * H, N, D) for t in project(x, m.w))
+    bias = alibi(N).repeat(B, 1, 1)
+    s = bias.baddbmm(batch1=q, batch2=k.transpose(-1, -2), beta=BETA, alpha=SCALE)
+    s = s.view(B, H, N, -1) + padding_additive(keep, x.dtype)  # the padding mask over [B, H, N, N]
+    p = m.drop(F.softmax(s, dim=-1, dtype=torch.float32).to(x.dtype))
+    return merge(torch.bmm(p.view(B * H, N, -1), v).view(B, H, N, D))
+
+
+def v_alibi_scaled_in_place(m, x, keep):  # Falcon: alibi added to the scores, then all scaled
+    q, k, v = project(x, m.w)
+    s = (q @ k.transpose(-1, -2)).view(B, H, N, N)
+    s = s + alibi(N).view(1, H, 1, N)
+    s *= SCALE
+    p = m.drop(F.softmax(s + padding_additive(keep, x.dtype), dim=-1))
+    return merge(p.view(B, H, N, N) @ v)
+
+
+def v_scale_on_kT_regrouped_masked_fill(m, x, keep):  # DeBERTa: bmm(q, k^T / scale), folded
+    q, k, v = (t.reshape(B * H, N, D) for t in project(x, m.w))
+    s = torch.bmm(q, k.transpose(-1, -2) / torch.sqrt(torch.tensor(D, dtype=torch.float)))
+    s = s.view(-1, H, s.size(-2), s.size(-1))
+    s = s.masked_fill(~keep[:, None, None, :], torch.finfo(x.dtype).min)
+    p = m.drop(F.softmax(s, dim=-1))
+    return merge(torch.bmm(p.view(-1, p.size(-2), p.size(-1)), v).view(-1, H, N, D))
+
+
 VARIANTS = [
     (v_matmul_transpose_mul, None, H),
     (v_at_div_sqrt, None, H),
@@ -251,6 +293,9 @@ VARIANTS = [
     (v_padding_where, "padding", H),
     (v_padding_additive_bert, "padding", H),
     (v_padding_inplace_add_folded, "padding", H),
+    (v_baddbmm_alibi_regrouped, ("alibi", BETA), H),
+    (v_alibi_scaled_in_place, ("alibi", SCALE), H),
+    (v_scale_on_kT_regrouped_masked_fill, "padding", H),
 ]
 
 
@@ -305,6 +350,9 @@ def reference(model, x, keep, mask_kind, kv_heads):
         kwargs["is_causal"] = True
     elif mask_kind == "padding":
         kwargs["attn_mask"] = keep[:, None, None, :]
+    elif mask_kind is not None:  # ("alibi", c)
+        bias = mask_kind[1] * alibi(x.shape[1]).to(x.dtype)[None]
+        kwargs["attn_mask"] = bias.masked_fill(~keep[:, None, None, :], float("-inf"))
     out = reference_dilated_attention(q, k, v, W, R, hilbert=True, enable_gqa=kv_heads != H,
                                       **kwargs)
     return merge(out)
@@ -321,7 +369,7 @@ def test_variant_is_found_rewritten_and_exact(fn, mask_kind, kv_heads):
     (call,) = op_calls(rec)
     is_causal, mask = call.args[6], call.args[7]
     assert is_causal == (mask_kind == "causal")
-    if mask_kind != "padding":
+    if mask_kind in (None, "causal"):
         assert mask is None, "no mask may be materialised for a causal triangle"
         for gm in rec.graphs:  # nothing [.., N, N] is computed any more
             for node in gm.graph.nodes:
@@ -482,6 +530,36 @@ def test_hand_written_cross_attention_is_skipped_with_its_reason(n_memory):
     torch.testing.assert_close(out, model(x, memory))
 
 
+def v_content_to_position(m, x, keep):  # DeBERTa's c2p: the queries against position embeddings
+    q, k, v = project(x, m.w)
+    pos = m.w[: x.shape[1], :D]
+    s = (q @ k.transpose(-1, -2) + q @ pos.transpose(0, 1)) * SCALE
+    return merge(s.softmax(-1) @ v)
+
+
+def v_position_to_content(m, x, keep):  # DeBERTa's p2c: the keys against position embeddings
+    q, k, v = (t.reshape(B * H, N, D) for t in project(x, m.w))
+    pos = m.w[: x.shape[1], :D]
+    p2c = torch.bmm(k, pos.expand(B * H, -1, -1).transpose(-1, -2)).transpose(-1, -2)
+    s = torch.bmm(q, k.transpose(-1, -2) * SCALE) + p2c * SCALE
+    s = s.view(B, H, N, N).masked_fill(~keep[:, None, None, :], torch.finfo(x.dtype).min)
+    return merge(torch.bmm(s.softmax(-1).view(B * H, N, N), v).view(B, H, N, D))
+
+
+@pytest.mark.parametrize("fn", [v_content_to_position, v_position_to_content])
+def test_terms_computed_from_q_or_k_are_skipped_with_their_reason(fn):
+    """A term added to the scores that is a product with q or k (DeBERTa's disentangled
+    attention) is part of the scores: the site is reported, skipped, not walked past."""
+    torch.manual_seed(0)
+    model = Variant(fn).eval()
+    x, keep = inputs(1)
+    report = hilbert_fx.explain(model, x, keep, backend=hilbert_fx.backend(W, R, lowering="sdpa"))
+    assert [(s.kind, s.action) for s in report.sites] == [("manual", "skipped")], report
+    assert "computed from the queries or keys" in report.sites[0].reason, report
+    out = torch.compile(model, backend=hilbert_fx.backend(W, R, lowering="sdpa"))(x, keep)
+    torch.testing.assert_close(out, model(x, keep))
+
+
 def test_returned_attention_weights_are_skipped_with_their_reason():
     def attention(x, w):
         q, k, v = project(x, w)
@@ -492,6 +570,20 @@ def test_returned_attention_weights_are_skipped_with_their_reason():
     report = hilbert_fx.explain(attention, x, w, backend=hilbert_fx.backend(W, R, lowering="sdpa"))
     assert [(s.action, s.reason) for s in report.sites] == [
         ("skipped", "attention weights are used outside the attention")], report
+
+
+def test_scores_computed_before_a_graph_break_are_reported():
+    """softmax(s) @ v whose scores s come in from an earlier graph: a row, skipped, not nothing."""
+    def attention(x, w):
+        q, k, v = project(x, w)
+        s = q @ k.transpose(-1, -2) * SCALE
+        torch._dynamo.graph_break()
+        return merge(torch.softmax(s, -1) @ v)
+
+    x, w = torch.randn(B, N, E), torch.randn(E, 3 * E)
+    report = hilbert_fx.explain(attention, x, w, backend=hilbert_fx.backend(W, R, lowering="sdpa"))
+    assert [(s.kind, s.action) for s in report.sites] == [("manual", "skipped")], report
+    assert "graph break" in report.sites[0].reason, report
 
 
 # ---------------------------------------------------------------------------------------------

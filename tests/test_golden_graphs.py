@@ -46,6 +46,16 @@ def manual_causal_folded(x, w):
     return torch.bmm(p, v).view(b, 2, n, 8).transpose(1, 2).reshape(b, n, 16)
 
 
+def manual_alibi_baddbmm(x, w, bias, mask):
+    """Bloom: beta * alibi + alpha * q k^T over [B*H, N, N], unfolded to [B, H, N, N] for the
+    padding mask and the softmax, folded back for the product with v."""
+    b, n, _ = x.shape
+    q, k, v = (t.reshape(b, n, 2, 8).transpose(1, 2).reshape(b * 2, n, 8) for t in (x @ w).chunk(3, -1))
+    s = bias.baddbmm(batch1=q, batch2=k.transpose(-1, -2), beta=0.5, alpha=0.25)
+    p = F.softmax(s.view(b, 2, n, -1) + mask, dim=-1, dtype=torch.float32)
+    return torch.bmm(p.view(b * 2, n, -1), v).view(b, 2, n, 8).transpose(1, 2).reshape(b, n, 16)
+
+
 MHA = torch.nn.MultiheadAttention(16, 2, batch_first=True)
 
 
@@ -84,6 +94,43 @@ def forward(self, L_x_ : torch.Tensor, L_w_ : torch.nn.parameter.Parameter):
     view = flatten.view(1, 2, 10, 8)
     transpose_4 = view.transpose(1, 2)
     reshape_6 = transpose_4.reshape(1, 10, 16)
+    return (reshape_6,)""")
+
+    def test_manual_attention_alibi_baddbmm_regrouped(self):
+        x, w = torch.randn(2, 10, 16), torch.nn.Parameter(torch.randn(16, 48))
+        bias = torch.arange(10.0).expand(4, 1, 10)
+        mask = torch.zeros(2, 1, 10, 10)
+        mask[1, ..., -3:] = float("-inf")
+        self.assertExpectedInline(graph_after(manual_alibi_baddbmm, x, w, bias, mask), """\
+def forward(self, L_x_ : torch.Tensor, L_w_ : torch.nn.parameter.Parameter, L_bias_ : torch.Tensor, L_mask_ : torch.Tensor):
+    l_x_ = L_x_
+    l_w_ = L_w_
+    l_bias_ = L_bias_
+    l_mask_ = L_mask_
+    matmul = l_x_ @ l_w_
+    chunk = matmul.chunk(3, -1)
+    t = chunk[0]
+    t_1 = chunk[1]
+    t_2 = chunk[2]
+    reshape = t.reshape(2, 10, 2, 8)
+    transpose = reshape.transpose(1, 2)
+    q = transpose.reshape(4, 10, 8)
+    reshape_2 = t_1.reshape(2, 10, 2, 8)
+    transpose_1 = reshape_2.transpose(1, 2)
+    k = transpose_1.reshape(4, 10, 8)
+    reshape_4 = t_2.reshape(2, 10, 2, 8)
+    transpose_2 = reshape_4.transpose(1, 2)
+    v = transpose_2.reshape(4, 10, 8)
+    unflatten = q.unflatten(0, (-1, 2))
+    unflatten_1 = k.unflatten(0, (-1, 2))
+    unflatten_2 = v.unflatten(0, (-1, 2))
+    combine_masks = hilbert_fx_detect_combine_masks((('add', 1.0), ('add', 0.5)), 2, l_mask_, l_bias_)
+    dilated_attention_default = torch.ops.hilbert_fx.dilated_attention.default(unflatten, unflatten_1, unflatten_2, [8, 16], [1, 2], True, False, combine_masks, 0.0, None, 0.25, 'sdpa')
+    getitem_3 = dilated_attention_default[0]
+    flatten = getitem_3.flatten(0, 1)
+    view_2 = flatten.view(2, 2, 10, 8)
+    transpose_4 = view_2.transpose(1, 2)
+    reshape_6 = transpose_4.reshape(2, 10, 16)
     return (reshape_6,)""")
 
     def test_multihead_attention_with_padding(self):
