@@ -1,6 +1,12 @@
 """Where a training step of examples/train_long_gpt.py spends its GPU time, per kernel.
 
-    PYTHONPATH=. python scripts/profile_train.py --layers 2 --seq-len 32768 --backend hilbert_dilated
+    PYTHONPATH=. python scripts/profile_train.py --layers 12 --seq-len 32768 --backend hilbert_dilated
+
+The example's Llama (width 1024, 16 heads, its default branches, bf16 autocast), compiled with
+--backend (hilbert_dilated, or inductor for dense attention), three warm-up steps, then one step
+under torch.profiler: the table of CUDA kernels by total time. It splits the step into the
+attention's kernels and the rest of the model, which bounds what a faster attention kernel can
+give the step (BENCHMARKS.md). The optimizer step is not in the profiled step.
 """
 import argparse
 import sys

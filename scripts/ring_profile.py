@@ -2,11 +2,13 @@
 
     python scripts/ring_profile.py --nproc 4 --out $OUT
 
-Weak-scaling configuration of examples/ring_benchmark.py (--tokens-per-gpu per GPU, its default
+Weak-scaling configuration of scripts/ring_benchmark.py (--tokens-per-gpu per GPU, its default
 branches, bf16, H=16, D=128, Hilbert on), non-causal and causal, forward and forward+backward,
 calls issued back to back. Rank 0 writes OUT/ring_profile.txt: per mode the GPU time per call
 (events), the host time per call, the kernels per call grouped by name (count and microseconds)
-and how much of the GPU time no kernel ran on the compute stream.
+and how much of the GPU time no kernel ran on the compute stream. Use it when the ring's
+efficiency drops: it separates the kernels' time from the time the GPU waits for messages or
+for the host.
 """
 from __future__ import annotations
 
@@ -47,8 +49,7 @@ def run(rank, world, port, args):
     dist.init_process_group("nccl", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank),
                             timeout=datetime.timedelta(seconds=120))
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                    "examples"))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ring_benchmark import default_branches
     from lowering.ring import ring_dilated_attention
     n = args.tokens_per_gpu

@@ -1,7 +1,7 @@
 """Dilated attention over a device mesh on GPUs: correctness against one GPU, and weak scaling.
 
-    torchrun --nproc-per-node P examples/ring_benchmark.py --out results/ring
-    python examples/ring_benchmark.py --nproc P --out results/ring        # same, via spawn
+    torchrun --nproc-per-node P scripts/ring_benchmark.py --out results/ring
+    python scripts/ring_benchmark.py --nproc P --out results/ring        # same, via spawn
 
 The ring op runs with --ring-lowering ("auto" by default: the Triton kernels for the local part
 on GPUs of compute capability 8.0 or more, lowering/ring.py; "sdpa" for the SDPA blocks only).
@@ -25,13 +25,15 @@ that a run cut short still leaves what it measured), and the tables are printed.
 --budget-s seconds: weak-scaling rows that would start later are skipped (and listed). A
 collective that waits longer than --collective-timeout-s raises instead of hanging.
 
-The run the lead makes on an H200 machine (2 GPUs; the same with --nproc 4 on 4):
+The runs BENCHMARKS.md gives (4 GPUs; --nproc 2 on 2): calls back to back as in a training
+step, then each call timed alone:
 
-    python examples/ring_benchmark.py --nproc 2 --out $OUT
+    python scripts/ring_benchmark.py --nproc 4 --out $OUT --timing pipelined --budget-s 280
+    python scripts/ring_benchmark.py --nproc 4 --out $OUT --timing sync --no-check --budget-s 240
 
 A smoke test of this script on CPU (gloo; the Triton kernels interpreted):
 
-    TRITON_INTERPRET=1 python examples/ring_benchmark.py --cpu --nproc 2 --out /tmp/rb \
+    TRITON_INTERPRET=1 python scripts/ring_benchmark.py --cpu --nproc 2 --out /tmp/rb \
         --ring-lowering triton --tokens-per-gpu 64 --heads 2 --head-dim 16 --n-check 48 \
         --warmup 1 --iters 1 --modes fwd,fwd+bwd --causal both --extra-baseline ""
 """
