@@ -5,6 +5,8 @@ Every rule broken raises ValueError naming the argument and the rule.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -20,9 +22,9 @@ def check_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[int]
         if len(values) == 0:
             raise ValueError(f"{name} must not be empty")
         for x in values:
-            if isinstance(x, bool) or not isinstance(x, int):
+            if not _is_integer(x):
                 raise ValueError(f"{name} must hold ints, got {x!r}")
-            if x <= 0:
+            if operator.index(x) <= 0:
                 raise ValueError(f"{name} must all be positive, got {tuple(values)}")
     if len(segment_lengths) != len(dilation_rates):
         raise ValueError(
@@ -33,7 +35,34 @@ def check_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[int]
             raise ValueError(
                 f"each segment length must be a multiple of its dilation rate: segment_lengths "
                 f"has {w}, dilation_rates has {r}")
-    return tuple(int(w) for w in segment_lengths), tuple(int(r) for r in dilation_rates)
+    return (tuple(operator.index(w) for w in segment_lengths),
+            tuple(operator.index(r) for r in dilation_rates))
+
+
+try:
+    import numpy
+    _BOOLS: tuple[type, ...] = (bool, numpy.bool_)
+except ImportError:  # pragma: no cover - numpy is optional for torch
+    _BOOLS = (bool,)
+
+
+def _is_bool(x) -> bool:
+    return isinstance(x, _BOOLS)
+
+
+def _is_integer(x) -> bool:
+    """An integer of any kind (int, numpy's integers: numbers.Integral) but not a bool, which is
+    one in Python: True as a segment length is a mistake, not 1."""
+    return isinstance(x, numbers.Integral) and not _is_bool(x)
+
+
+def check_flags(**flags) -> dict[str, bool]:
+    """Each flag (hilbert, is_causal, enable_gqa) as a Python bool; anything but a bool (Python's
+    or numpy's) is refused: bool('no') is True, so coercing would run is_causal='no' causal."""
+    for name, value in flags.items():
+        if not _is_bool(value):
+            raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return {name: bool(value) for name, value in flags.items()}
 
 
 def check_lowering(lowering: str) -> str:
@@ -57,7 +86,7 @@ def check_tensors(q, k, v, *, attn_mask, is_causal: bool, dropout_p: float, enab
             raise ValueError(f"{name} must have 4 dimensions [B, H, N, D], got shape {tuple(t.shape)}")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if not torch.is_autocast_enabled(q.device.type):  # autocast casts them to one dtype
+    if not _autocast_enabled(q.device.type):  # autocast casts them to one dtype
         check_same_dtype(q, k, v)
     if k.shape[2] != q.shape[2]:
         raise ValueError(
@@ -73,7 +102,7 @@ def check_tensors(q, k, v, *, attn_mask, is_causal: bool, dropout_p: float, enab
         raise ValueError(f"k and v must have the same number of heads, got {k.shape[1]} and {v.shape[1]}")
     hq, hkv = q.shape[1], k.shape[1]
     if enable_gqa:
-        if hq % hkv:
+        if (hq % hkv if hkv else hq):
             raise ValueError(
                 f"the number of query heads must be a multiple of the key/value heads (enable_gqa): "
                 f"q has {hq} heads (Hq), k has {hkv} (Hkv); Hq % Hkv != 0")
@@ -88,21 +117,32 @@ def check_tensors(q, k, v, *, attn_mask, is_causal: bool, dropout_p: float, enab
             raise ValueError(f"attn_mask must be a tensor, got {type(attn_mask).__name__}")
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             raise ValueError(f"attn_mask must be boolean or floating point, got {attn_mask.dtype}")
-        n = q.shape[2]
-        try:
-            torch.broadcast_shapes(attn_mask.shape, (q.shape[0], hq, n, n))
-        except RuntimeError:
-            raise ValueError(
-                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
-                f"[B, Hq, N, N] = {(q.shape[0], hq, n, n)}") from None
         if attn_mask.dim() > 4:
             raise ValueError(f"attn_mask must have at most 4 dimensions, got {attn_mask.dim()}")
+        # The mask must broadcast TO the scores' shape, not merely with it: a mask of batch 2
+        # against q of batch 1 broadcasts with it (to batch 2) but cannot be expanded to it.
+        n = q.shape[2]
+        target = (q.shape[0], hq, n, n)
+        try:
+            fits = tuple(torch.broadcast_shapes(attn_mask.shape, target)) == target
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                f"[B, Hq, N, N] = {target}")
         if attn_mask.requires_grad:
             raise ValueError("attn_mask must not require grad: its gradient is not computed")
     if not (0.0 <= float(dropout_p) < 1.0):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if scale is not None and not math.isfinite(float(scale)):
         raise ValueError(f"scale must be a finite number, got {scale}")
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    """torch.is_autocast_enabled for devices that have autocast; False for the others (meta
+    tensors, which FSDP and model-initialisation tools pass around, raise in torch's own)."""
+    return torch._C._is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def triton_capable(device: torch.device) -> bool:

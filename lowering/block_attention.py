@@ -36,6 +36,26 @@ def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int, has_bias
     return "math"
 
 
+def merge(cur_o, cur_lse, o, lse):
+    """Two normalised partial results of the same rows, (o [.., Dv], lse [..]), as one.
+
+    The weights are exp(lse - top) over their sum, top the larger lse: a convex combination
+    whatever the lse's magnitude (the differences are exact where they matter, close numbers),
+    as lowering/triton_kernels.py's _fwd_kernel merges. Weights exp(lse - logaddexp(..))
+    instead divide by a number rounded at the lse's magnitude: at |lse| ~ 5e6 in float32 (ulp
+    0.5) they sum to anything in e^(+-0.25), an error one softmax does not make (2.3e-2
+    relative on logits of that size, where each branch alone was exact). Rows with no key in
+    either keep lse -inf and o 0."""
+    top = torch.maximum(cur_lse, lse)
+    top = top.masked_fill(top == float("-inf"), 0.0)
+    w_old, w_new = torch.exp(cur_lse - top), torch.exp(lse - top)
+    total = w_old + w_new
+    empty = total == 0
+    total = total.masked_fill(empty, 1.0)
+    new_lse = torch.where(empty, float("-inf"), top + torch.log(total))
+    return (cur_o * (w_old / total).unsqueeze(-1) + o * (w_new / total).unsqueeze(-1)), new_lse
+
+
 def _aligned_bias(bias: torch.Tensor, shape) -> torch.Tensor:
     """Expanded bias whose row stride is a multiple of 16, as the efficient kernel requires."""
     length = bias.shape[-1]
@@ -61,17 +81,36 @@ def _math_scores(q, k, bias, is_causal, scale):
     return s
 
 
-def _nonnegative_scale(kernel: str, q, scale):
-    """(q, scale) for the SDPA kernels: (-q, -scale) when scale < 0, the same scores exactly.
-    PyTorch's CPU kernel returns NaN for a negative scale with is_causal."""
-    if kernel != "math" and scale < 0:
+def _kernel_scale(kernel: str, q, scale):
+    """(q, scale) for the SDPA kernels, giving the same scores exactly: (-q, -scale) when
+    scale < 0, (0 * q, 1) when scale == 0. PyTorch's CPU kernel returns NaN for either with
+    is_causal (it scales scores already set to -inf: -inf * 0 is NaN)."""
+    if kernel == "math":
+        return q, scale
+    if scale < 0:
         return -q, -scale
+    if scale == 0:
+        return q * 0.0, 1.0  # not zeros_like: a NaN or inf in q still gives NaN, as in SDPA
     return q, scale
 
 
+def _same_head_dim(*tensors, width: int):
+    """Each tensor zero-padded in its last dim to `width`. The SDPA kernels (flash on CPU and
+    CUDA) take one head dim for q, k and v; padding q and k with zeros leaves q . k as it is,
+    padding v (and dout, out) with zeros gives out and its gradient zero columns, sliced off."""
+    return tuple(t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
+                 for t in tensors)
+
+
 def forward(q, k, v, *, bias, is_causal, scale, keep=None, dropout_p=0.0):
-    kernel = kernel_for(q.device, q.dtype, q.shape[-1], bias is not None, keep is not None)
-    q, scale = _nonnegative_scale(kernel, q, scale)
+    d, dv = q.shape[-1], v.shape[-1]
+    kernel = kernel_for(q.device, q.dtype, max(d, dv), bias is not None, keep is not None)
+    if kernel != "math" and d != dv:  # v with its own head dim: see _same_head_dim
+        q, k, v = _same_head_dim(q, k, v, width=max(d, dv))
+        out, lse = forward(q, k, v, bias=bias, is_causal=is_causal, scale=scale, keep=keep,
+                           dropout_p=dropout_p)
+        return out[..., :dv], lse
+    q, scale = _kernel_scale(kernel, q, scale)
     if kernel == "flash_cpu":
         mask = None if bias is None else bias.to(q.dtype)
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -102,11 +141,19 @@ def backward(dout, q, k, v, out, lse, *, bias, is_causal, scale, keep=None, drop
     block's share of the gradient of the mixture (FlashAttention-2's backward, term by term).
     Rows whose lse is +inf contribute nothing.
     """
-    kernel = kernel_for(q.device, q.dtype, q.shape[-1], bias is not None, keep is not None)
-    if kernel != "math" and scale < 0:  # the kernels see -q: the gradient of q is minus theirs
-        dq, dk, dv = backward(dout, -q, k, v, out, lse, bias=bias, is_causal=is_causal,
-                              scale=-scale, keep=keep, dropout_p=dropout_p)
-        return -dq, dk, dv
+    d, d_v = q.shape[-1], v.shape[-1]
+    kernel = kernel_for(q.device, q.dtype, max(d, d_v), bias is not None, keep is not None)
+    if kernel != "math" and d != d_v:  # v with its own head dim: see _same_head_dim
+        q, k, v, dout, out = _same_head_dim(q, k, v, dout, out, width=max(d, d_v))
+        dq, dk, dv = backward(dout, q, k, v, out, lse, bias=bias, is_causal=is_causal,
+                              scale=scale, keep=keep, dropout_p=dropout_p)
+        return dq[..., :d], dk[..., :d], dv[..., :d_v]
+    if kernel != "math" and scale <= 0:  # the kernels see _kernel_scale's q and scale
+        q_k, scale_k = _kernel_scale(kernel, q, scale)
+        dq, dk, dv = backward(dout, q_k, k, v, out, lse, bias=bias, is_causal=is_causal,
+                              scale=scale_k, keep=keep, dropout_p=dropout_p)
+        # scores = scale * q . k = scale_k * q_k . k, with q_k = (scale / scale_k) * q
+        return dq * (scale / scale_k), dk, dv
     lse = lse.contiguous()
     if kernel == "flash_cpu":
         mask = None if bias is None else bias.to(q.dtype)

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from . import sdpa_lowering
-from .arguments import check_branches, check_lowering, check_same_dtype, check_tensors, resolve_lowering
+from .arguments import (check_branches, check_flags, check_lowering, check_same_dtype, check_tensors,
+                        resolve_lowering)
 from .autocast import register_autocast
 from .dropout import new_seed
 from .plans import branch_plans
@@ -35,6 +36,14 @@ def _compute_dtype(q: Tensor, lowering: str) -> torch.dtype:
     return q.dtype
 
 
+def _empty(q: Tensor, v: Tensor) -> bool:
+    """Whether the output [B, Hq, N, Dv] has no element (B, Hq, N or Dv is 0). SDPA returns it
+    empty; the lowerings would index the last member of sets that do not exist. No output
+    element depends on q, k or v then: every gradient is 0 (or empty)."""
+    b, hq, n, _ = q.shape
+    return b * hq * n * v.shape[-1] == 0
+
+
 @torch.library.custom_op("hilbert_fx::dilated_attention", mutates_args=())
 def dilated_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[int],
                          dilation_rates: list[int], hilbert: bool, is_causal: bool,
@@ -42,6 +51,10 @@ def dilated_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[
                          scale: float, lowering: str) -> tuple[Tensor, Tensor]:
     """Returns (out [B, Hq, N, Dv] in q's dtype, lse [B, Hq, N] in float32 or wider)."""
     check_same_dtype(q, k, v)
+    if _empty(q, v):  # as SDPA: empty in, empty out (the lowerings index a set's last member)
+        b, hq, n, _ = q.shape
+        return (q.new_zeros(b, hq, n, v.shape[-1]),
+                q.new_full((b, hq, n), float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32)))
     plans = branch_plans(q.shape[2], segment_lengths, dilation_rates, hilbert, q.device)
     dtype = _compute_dtype(q, lowering)
     out, lse = _lowering_module(lowering).forward(
@@ -67,6 +80,8 @@ def dilated_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
                                   attn_mask: Optional[Tensor], dropout_p: float,
                                   seed: Optional[Tensor], scale: float,
                                   lowering: str) -> tuple[Tensor, Tensor, Tensor]:
+    if _empty(q, v):  # every gradient has a zero-size dimension, or no row reaches it
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     plans = branch_plans(q.shape[2], segment_lengths, dilation_rates, hilbert, q.device)
     dtype = _compute_dtype(q, lowering)
     dq, dk, dv = _lowering_module(lowering).backward(
@@ -115,6 +130,8 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
                                          is_causal=is_causal, attn_mask=attn_mask,
                                          dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
                                          lowering=lowering, mesh=mesh)
+    hilbert, is_causal, enable_gqa = check_flags(hilbert=hilbert, is_causal=is_causal,
+                                                 enable_gqa=enable_gqa).values()
     segment_lengths, dilation_rates = check_branches(segment_lengths, dilation_rates)
     check_lowering(lowering)
     check_tensors(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
@@ -123,6 +140,6 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
     resolved = resolve_lowering(lowering, q.device)
     seed = new_seed(q.device) if dropout_p > 0.0 else None
     out, _ = torch.ops.hilbert_fx.dilated_attention(
-        q, k, v, list(segment_lengths), list(dilation_rates), bool(hilbert), bool(is_causal),
+        q, k, v, list(segment_lengths), list(dilation_rates), hilbert, is_causal,
         attn_mask, float(dropout_p), seed, scale, resolved)
     return out

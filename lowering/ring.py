@@ -65,7 +65,7 @@ from torch import Tensor
 
 from . import block_attention
 from .autocast import register_autocast
-from .arguments import check_branches, check_lowering, check_tensors, resolve_lowering
+from .arguments import check_branches, check_flags, check_lowering, check_tensors, resolve_lowering
 from .dropout import keep_mask, new_seed
 from .ring_plan import PeerBlock, RingPlan, plan_bytes, ring_plan, shard_branch_plans
 
@@ -362,12 +362,10 @@ def _merge(acc: Tensor, run_lse: Tensor, heads: Tensor, rows: Tensor, o: Tensor,
 
 
 def _lse_merge(cur_o: Tensor, cur_l: Tensor, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Two normalised partial results (o [.., Dv], lse [..]) of the same rows as one: weights
-    by log-sum-exp; rows with no key in either stay at lse -inf."""
-    new_l = torch.logaddexp(cur_l, lse)
-    base = new_l.masked_fill(new_l == NEG_INF, 0.0)
-    return (cur_o * torch.exp(cur_l - base).unsqueeze(-1)
-            + o * torch.exp(lse - base).unsqueeze(-1)), new_l
+    """Two normalised partial results (o [.., Dv], lse [..]) of the same rows as one, weighed by
+    their log-sum-exps, normalised by the weights' sum (block_attention.merge says why); rows
+    with no key in either stay at lse -inf."""
+    return block_attention.merge(cur_o, cur_l, o, lse)
 
 
 def _add_rows(buf: Tensor, heads: Tensor, rows: Tensor, values: Tensor) -> None:
@@ -807,6 +805,8 @@ def dilated_attention_on_mesh(q: Tensor, k: Tensor, v: Tensor, segment_lengths, 
     for it in the first collective)."""
     name = group_name_of(mesh)
     try:
+        hilbert, is_causal, enable_gqa = check_flags(hilbert=hilbert, is_causal=is_causal,
+                                                     enable_gqa=enable_gqa).values()
         segment_lengths, dilation_rates = check_branches(segment_lengths, dilation_rates)
         check_lowering(lowering)
         check_tensors(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,

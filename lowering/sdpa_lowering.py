@@ -1,5 +1,6 @@
 """The SDPA lowering: gather each branch's selected sets into dense blocks, run the SDPA kernels
-that return the log-sum-exp (lowering/block_attention.py), scatter back, merge by log-sum-exp.
+that return the log-sum-exp (lowering/block_attention.py), scatter back, merge by log-sum-exp
+(weights relative to the largest branch lse, normalised by their sum: see `forward`).
 
 Per branch the gathered blocks hold B * H * N / r rows of w / r keys each: memory grows as
 N * w / r, never N^2, unless the user passed an N x N mask.
@@ -137,15 +138,26 @@ def merge_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, scale: float,
             dropout_p: float = 0.0, seed=None):
-    """Returns (out [B, Hq, N, Dv] in q.dtype, lse [B, Hq, N] in float32, float64 for float64)."""
+    """Returns (out [B, Hq, N, Dv] in q.dtype, lse [B, Hq, N] in float32, float64 for float64).
+
+    The branches are merged as one softmax is computed: each branch's normalised output o_i
+    weighs exp(lse_i - top) against top, the largest lse_i so far, and the sum is divided by
+    the sum of the weights at the end. The differences lse_i - top are exact where it matters
+    (close numbers), so the merge adds no error of the lse's size. (Normalising by the merged
+    lse = logaddexp(...) instead divides by a number rounded at the lse's magnitude: at
+    |lse| ~ 5e6 in float32, ulp 0.5, the weights sum to anything in e^(+-0.25).)"""
     b, hq, n, _ = q.shape
-    heads = torch.arange(hq, device=q.device)
     wide = merge_dtype(q.dtype)
-    acc = torch.zeros(b, hq, n + 1, v.shape[-1], dtype=wide, device=q.device)
-    run_lse = torch.full((b, hq, n + 1), NEG_INF, dtype=wide, device=q.device)
+    if b * hq * n == 0 or not plans:
+        return (torch.zeros(b, hq, n, v.shape[-1], dtype=q.dtype, device=q.device),
+                torch.full((b, hq, n), NEG_INF, dtype=wide, device=q.device))
+    heads = torch.arange(hq, device=q.device)
+    acc = torch.zeros(b, hq, n + 1, v.shape[-1], dtype=wide, device=q.device)  # sum of o_i * w_i
+    total = torch.zeros(b, hq, n + 1, dtype=wide, device=q.device)  # sum of w_i
+    top = torch.full((b, hq, n + 1), NEG_INF, dtype=wide, device=q.device)
     for plan in plans:
         out_b = torch.zeros_like(acc)
-        lse_b = torch.full_like(run_lse, NEG_INF)
+        lse_b = torch.full_like(top, NEG_INF)
         for block in blocks_of(plan, hq):
             x = _block_inputs(q, k, v, block, attn_mask=attn_mask, is_causal=is_causal,
                               dropout_p=dropout_p, seed=seed)
@@ -157,17 +169,25 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
                 o = o.masked_fill(~x.has_key.unsqueeze(-1), 0.0)
             _scatter(out_b, heads, block.positions, o.to(wide))
             _scatter(lse_b, heads, block.positions, lse)
-        new_lse = torch.logaddexp(run_lse, lse_b)
-        base = new_lse.masked_fill(new_lse == NEG_INF, 0.0)
-        acc = acc * torch.exp(run_lse - base).unsqueeze(-1) + out_b * torch.exp(lse_b - base).unsqueeze(-1)
-        run_lse = new_lse
-    return acc[:, :, :n].to(q.dtype), run_lse[:, :, :n].contiguous()
+        new_top = torch.maximum(top, lse_b)
+        base = new_top.masked_fill(new_top == NEG_INF, 0.0)  # rows with no key yet: weights 0
+        w_old, w_new = torch.exp(top - base), torch.exp(lse_b - base)
+        acc = acc * w_old.unsqueeze(-1) + out_b * w_new.unsqueeze(-1)
+        total = total * w_old + w_new
+        top = new_top
+    empty = total == 0  # no key in any branch: out 0, lse -inf
+    total = total.masked_fill(empty, 1.0)
+    out = acc / total.unsqueeze(-1)
+    lse = torch.where(empty, NEG_INF, top + torch.log(total))
+    return out[:, :, :n].to(q.dtype), lse[:, :, :n].contiguous()
 
 
 def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: bool, attn_mask,
              scale: float, dropout_p: float = 0.0, seed=None):
     """Returns (dq, dk, dv) given the op's output and its float32 lse."""
     b, hq, n, _ = q.shape
+    if b * hq * n == 0 or not plans:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     hkv = k.shape[1]
     heads = torch.arange(hq, device=q.device)
     kv_heads = heads // (hq // hkv)
