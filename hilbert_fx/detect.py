@@ -349,12 +349,15 @@ def _check_shapes(site: Site) -> str:
         shape, dtype, requires_grad = mask
         if dtype is not None and dtype != torch.bool and not dtype.is_floating_point:
             return f"attn_mask is neither boolean nor floating point ({dtype})"
-        try:
-            torch.broadcast_shapes(shape, (qs[0], qs[1], qs[2], qs[2]))
-        except RuntimeError:
-            return f"attn_mask of shape {shape} does not broadcast to [B, Hq, N, N]"
         if len(shape) > 4:
             return f"attn_mask has {len(shape)} dimensions"
+        target = (qs[0], qs[1], qs[2], qs[2])
+        try:  # broadcasts *to* the scores, not merely with them (a larger batch is an error)
+            fits = tuple(torch.broadcast_shapes(shape, target)) == target
+        except RuntimeError:
+            fits = False
+        if not fits:
+            return f"attn_mask of shape {shape} does not broadcast to [B, Hq, N, N]"
         if requires_grad:
             return ("attn_mask requires grad (a learned bias, such as T5's relative position "
                     "bias, in training): the op does not compute the mask's gradient")

@@ -59,7 +59,7 @@ def mesh_reason(site: Site, config: DilatedConfig) -> str:
 def rewrite_site(graph: fx.Graph, site: Site, config: DilatedConfig) -> fx.Node:
     q = example(site.q)
     lowering = resolve_lowering(config.lowering, q.device)
-    scale = site.scale if site.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = site.scale if site.scale is not None else 1.0 / math.sqrt(max(q.shape[-1], 1))
     with graph.inserting_before(site.output):
         if site.adapt_inputs is not None:  # canonical q, k, v, mask of mha / manual sites
             site.q, site.k, site.v, site.attn_mask = site.adapt_inputs(graph)

@@ -136,7 +136,7 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
     check_lowering(lowering)
     check_tensors(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
                   enable_gqa=enable_gqa, scale=scale)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(max(q.shape[-1], 1)) if scale is None else float(scale)
     resolved = resolve_lowering(lowering, q.device)
     seed = new_seed(q.device) if dropout_p > 0.0 else None
     out, _ = torch.ops.hilbert_fx.dilated_attention(

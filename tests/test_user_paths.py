@@ -198,3 +198,39 @@ def test_torch_logs_name_transformers_modules_from_the_model():
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "sdpa attention in model.layers.0.self_attn: rewritten" in res.stderr, res.stderr[-3000:]
+
+
+class LatentValueAttention(torch.nn.Module):
+    """Values with their own head dim (Dv != D), as in latent attention."""
+    def __init__(self, width=32, heads=4, d=8, dv=12):
+        super().__init__()
+        self.heads, self.d, self.dv = heads, d, dv
+        self.qk = torch.nn.Linear(width, 2 * heads * d)
+        self.v = torch.nn.Linear(width, heads * dv)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k = self.qk(x).view(b, n, 2, self.heads, self.d).permute(2, 0, 3, 1, 4)
+        v = self.v(x).view(b, n, self.heads, self.dv).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+
+
+def test_values_with_their_own_head_dim_are_rewritten_and_exact():
+    torch.manual_seed(0)
+    model = LatentValueAttention()
+    x = torch.randn(2, 29, 32, requires_grad=True)
+    torch._dynamo.reset()
+    be = hilbert_fx.backend(W, R, lowering="sdpa")
+    report = hilbert_fx.explain(model, x, backend=be)
+    assert [s.action for s in report.sites] == ["rewritten"], str(report)
+    out = torch.compile(model, backend=be)(x)
+    b, n, _ = x.shape
+    q, k = model.qk(x).view(b, n, 2, 4, 8).permute(2, 0, 3, 1, 4)
+    v = model.v(x).view(b, n, 4, 12).transpose(1, 2)
+    expected = reference_dilated_attention(q.double(), k.double(), v.double(), W, R, hilbert=True,
+                                           is_causal=True).transpose(1, 2).flatten(2)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+    grad = torch.randn_like(out)
+    (dx,) = torch.autograd.grad(out, x, grad)
+    (dx_ref,) = torch.autograd.grad(expected, x, grad.double())
+    torch.testing.assert_close(dx.double(), dx_ref, atol=5e-5, rtol=1e-3)
