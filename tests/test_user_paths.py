@@ -233,4 +233,4 @@ def test_values_with_their_own_head_dim_are_rewritten_and_exact():
     grad = torch.randn_like(out)
     (dx,) = torch.autograd.grad(out, x, grad)
     (dx_ref,) = torch.autograd.grad(expected, x, grad.double())
-    torch.testing.assert_close(dx.double(), dx_ref, atol=5e-5, rtol=1e-3)
+    torch.testing.assert_close(dx.double(), dx_ref.double(), atol=5e-5, rtol=1e-3)
