@@ -107,10 +107,13 @@ def run(args):
                                             backend=hilbert_fx.backend())
                 print(f"explain ({backend}, checkpointing {ckpt}, N={args.explain_len}):\n{report}",
                       flush=True)
-            for mode in args.modes:
-                torch._dynamo.reset()
+            torch._dynamo.reset()
+            steps = {mode: compiled(model, backend, mode) for mode in args.modes}
+            if args.check_capture:  # before any optimizer step: both from the same weights
+                rows.append(check_capture(model, backend, steps["default"],
+                                          steps["reduce-overhead"], ids))
+            for mode, step_model in steps.items():
                 torch.cuda.empty_cache()
-                step_model = compiled(model, backend, mode)
                 start = time.perf_counter()
                 ms, peak = time_steps(step_model, model, ids, args.steps)
                 row = dict(backend=backend, checkpointing=ckpt, mode=mode, N=args.seq_len,
@@ -118,21 +121,16 @@ def run(args):
                            wall_s=round(time.perf_counter() - start, 1))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            if args.check_capture:
-                rows.append(check_capture(model, backend, ids))
-            del model
+            del model, steps
         del base
     return rows
 
 
-def check_capture(model, backend, ids):
+def check_capture(model, backend, plain, graphed, ids):
     """One step of the CUDA-graph model against the plain compiled one, same weights, same ids."""
-    torch._dynamo.reset()
-    plain = compiled(model, backend, "default")
     first = loss_and_grads(plain, model, ids)
     second = loss_and_grads(plain, model, ids)
-    graphed = compiled(model, backend, "reduce-overhead")
-    for _ in range(3):  # warm-up, record, then replays
+    for _ in range(3):  # warm-up, record, then a replay
         captured = loss_and_grads(graphed, model, ids)
     row = dict(backend=backend, check="reduce-overhead against default",
                loss_plain=first[0].item(), loss_captured=captured[0].item(),
@@ -158,6 +156,8 @@ def main():
                    help="length of the explain run (the pass alone, without Inductor)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.check_capture and not {"default", "reduce-overhead"} <= set(args.modes):
+        p.error("--check-capture needs --modes default reduce-overhead")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     rows = run(args)
     if args.out:
