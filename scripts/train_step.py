@@ -64,12 +64,13 @@ def loss_and_grads(step_model, model, ids):
     return loss.detach().float().clone(), [p.grad.float().clone() for p in model.parameters()]
 
 
-def max_rel_diff(a, b):
+def max_rel_diff(a, b, names):
+    """(largest relative difference of the loss or of one parameter's gradient, its name)."""
     loss_a, grads_a = a
     loss_b, grads_b = b
-    worst = (loss_a - loss_b).abs().item() / loss_b.abs().item()
-    for x, y in zip(grads_a, grads_b):
-        worst = max(worst, ((x - y).norm() / y.norm().clamp_min(1e-30)).item())
+    worst = ((loss_a - loss_b).abs().item() / loss_b.abs().item(), "loss")
+    for name, x, y in zip(names, grads_a, grads_b):
+        worst = max(worst, (((x - y).norm() / y.norm().clamp_min(1e-30)).item(), name))
     return worst
 
 
@@ -128,14 +129,18 @@ def run(args):
 
 def check_capture(model, backend, plain, graphed, ids):
     """One step of the CUDA-graph model against the plain compiled one, same weights, same ids."""
+    names = [n for n, _ in model.named_parameters()]
     first = loss_and_grads(plain, model, ids)
     second = loss_and_grads(plain, model, ids)
     for _ in range(3):  # warm-up, record, then a replay
         captured = loss_and_grads(graphed, model, ids)
+    replayed = loss_and_grads(graphed, model, ids)
     row = dict(backend=backend, check="reduce-overhead against default",
+               deterministic=torch.are_deterministic_algorithms_enabled(),
                loss_plain=first[0].item(), loss_captured=captured[0].item(),
-               max_rel_diff_captured=max_rel_diff(captured, first),
-               max_rel_diff_plain_twice=max_rel_diff(second, first))
+               captured_vs_plain=max_rel_diff(captured, first, names),
+               plain_vs_plain=max_rel_diff(second, first, names),
+               replay_vs_replay=max_rel_diff(replayed, captured, names))
     print(json.dumps(row), flush=True)
     return row
 
@@ -152,12 +157,17 @@ def main():
     p.add_argument("--modes", nargs="+", default=["default"])
     p.add_argument("--checkpointing", nargs="+", default=["off"], choices=["off", "on"])
     p.add_argument("--check-capture", action="store_true")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True): no gradient added by atomics, "
+                        "so two runs of one step agree bit for bit")
     p.add_argument("--explain-len", type=int, default=4096,
                    help="length of the explain run (the pass alone, without Inductor)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.check_capture and not {"default", "reduce-overhead"} <= set(args.modes):
         p.error("--check-capture needs --modes default reduce-overhead")
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     rows = run(args)
     if args.out:
