@@ -40,6 +40,35 @@ def subgraphs(gm: fx.GraphModule, prefix: str = "") -> list[tuple[str, fx.GraphM
     return found
 
 
+def caller_inputs(gm: fx.GraphModule, flows: dict) -> dict:
+    """For each subgraph that a higher-order op of `gm` calls with its operands in order after
+    the body (torch.utils.checkpoint's regions, nested compile regions), its placeholders ->
+    (gm's DataFlow, the operand passed in)."""
+    from .dataflow import DataFlow
+    flow = flows.setdefault(gm, DataFlow(gm.graph))
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        sub = gm
+        for part in str(node.target).split("."):
+            sub = getattr(sub, part, None)
+        if not isinstance(sub, fx.GraphModule) or sub in flows:
+            continue
+        outer = {}
+        for call in node.users:
+            if call.op != "call_function" or node not in call.args:
+                continue
+            operands = list(call.args[call.args.index(node) + 1:])
+            placeholders = [p for p in sub.graph.nodes if p.op == "placeholder"]
+            if len(operands) == len(placeholders):
+                outer = {p: (flow, a) for p, a in zip(placeholders, operands)
+                         if isinstance(a, fx.Node)}
+            break
+        flows[sub] = DataFlow(sub.graph, outer)
+        caller_inputs(sub, flows)
+    return flows
+
+
 def graph_code(gm: fx.GraphModule) -> str:
     parts = [gm.code]
     for name, sub in subgraphs(gm):
@@ -68,12 +97,14 @@ class HilbertBackend:
         roots = compiled_roots()
         scoped = any(graph_is_scoped(g.graph, roots) for g in graphs)
         names = module_names()
+        flows = caller_inputs(gm, {})
+        # find in every graph before rewriting any: a subgraph's masks are read in its caller
+        found = [(g, find_sites(g.graph, flows.get(g))) for g in graphs]
         sites = []
-        for g in graphs:
-            found = find_sites(g.graph)
-            for site in found:
+        for g, graph_sites in found:
+            for site in graph_sites:
                 site.module = qualified_name(site.output, names) or site.module
-            sites.extend(rewrite(g, found, self.config, scoped=scoped, roots=roots))
+            sites.extend(rewrite(g, graph_sites, self.config, scoped=scoped, roots=roots))
         record = GraphRecord(sites, before, graph_code(gm))
         if self.keep_records:
             self.records.append(record)

@@ -128,8 +128,12 @@ CONSTANT_NUMEL_LIMIT = 1 << 24  # largest intermediate evaluated at compile time
 class DataFlow:
     """Ancestry questions over one graph. The networkx view is built on first use."""
 
-    def __init__(self, graph: fx.Graph):
+    def __init__(self, graph: fx.Graph, outer: dict | None = None):
+        """`outer` maps placeholders of a subgraph (the body of a higher-order op, such as a
+        checkpointed region) to (the calling graph's DataFlow, the node passed in there), so
+        that a mask built outside the region is still read where it was built."""
         self.graph = graph
+        self.outer = outer or {}
         self.order = {n: i for i, n in enumerate(graph.nodes)}
         self.sources = activation_sources(graph)
         self._dag = None
@@ -229,6 +233,9 @@ class DataFlow:
     # -- causal triangles for every size ------------------------------------------------------
     def triangle(self, node):
         """The abstract value (Tri, Sel, ...) of a size-only mask node, or None."""
+        if node in self.outer:
+            flow, outer_node = self.outer[node]
+            return flow.triangle(outer_node)
         if self._triangles is None:
             self._triangles = Triangles(self)
         return self._triangles(node)
@@ -240,6 +247,9 @@ class DataFlow:
         where every intermediate stays under CONSTANT_NUMEL_LIMIT elements."""
         if not isinstance(node, fx.Node):
             return node
+        if node in self.outer:
+            flow, outer_node = self.outer[node]
+            return flow.constant_value(outer_node)
         if node in self._constants:
             return self._constants[node]
         value = None
@@ -383,6 +393,8 @@ class Triangles:
     def __call__(self, node):
         if not isinstance(node, fx.Node):
             return node if isinstance(node, (int, float, bool)) else None
+        if node in self.flow.outer:
+            return self.flow.triangle(node)
         if node not in self.memo:
             self.memo[node] = None  # cycles cannot occur, but depth can: bound it by memo
             try:

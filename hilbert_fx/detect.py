@@ -368,9 +368,10 @@ def _check_shapes(site: Site) -> str:
     return ""
 
 
-def find_sites(graph: fx.Graph) -> list[Site]:
-    """Every attention site of the graph, with `reason` set for those that are not rewritable."""
-    flow = DataFlow(graph)
+def find_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list[Site]:
+    """Every attention site of the graph, with `reason` set for those that are not rewritable.
+    `flow`: the graph's DataFlow, when the caller made it (a subgraph's knows its callers)."""
+    flow = flow if flow is not None else DataFlow(graph)
     sites: list[Site] = []
     for finder in _finders():
         sites.extend(finder(graph, flow))

@@ -122,9 +122,21 @@ def run(args):
                            wall_s=round(time.perf_counter() - start, 1))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                if args.profile:
+                    profile_step(step_model, model, ids)
             del model, steps
         del base
     return rows
+
+
+def profile_step(step_model, model, ids, rows: int = 25):
+    """One more step under torch.profiler: where its GPU and host time go."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step_model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows), flush=True)
 
 
 def check_capture(model, backend, plain, graphed, ids):
@@ -157,6 +169,7 @@ def main():
     p.add_argument("--modes", nargs="+", default=["default"])
     p.add_argument("--checkpointing", nargs="+", default=["off"], choices=["off", "on"])
     p.add_argument("--check-capture", action="store_true")
+    p.add_argument("--profile", action="store_true", help="profile one step of each")
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms(True): no gradient added by atomics, "
                         "so two runs of one step agree bit for bit")

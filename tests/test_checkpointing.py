@@ -60,6 +60,43 @@ def test_checkpointed_layers_are_rewritten_and_train_as_the_reference(use_reentr
     assert_grads_close(model, reference)
 
 
+class CheckpointedWithMask(Checkpointed):
+    """The causal mask is built once, outside the checkpointed regions, and passed into each
+    (as transformers does): the pass must read it where it was built."""
+    def forward(self, tokens):
+        n = tokens.shape[1]
+        mask = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()
+        x = self.model.embed(tokens)
+        for layer in self.model.layers:
+            x = checkpoint.checkpoint(layer, x, mask, use_reentrant=self.use_reentrant)
+        return self.model.head(x)
+
+
+class Recorder:
+    """The pass without Inductor, keeping the sites it found."""
+    def __init__(self, backend):
+        self.backend, self.sites = backend, []
+
+    def __call__(self, gm, example_inputs):
+        self.sites += self.backend.transform(gm).sites
+        return gm.forward
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_causal_mask_built_outside_the_checkpointed_regions_becomes_is_causal(use_reentrant):
+    torch.manual_seed(0)
+    model = TinyTransformer(width=32, heads=4, layers=2, causal=False)
+    reference = with_reference(model, W, R, hilbert=True)
+    tokens = torch.randint(0, 50, (2, N))
+    rec = Recorder(hilbert_fx.backend(W, R, lowering="sdpa"))
+    torch._dynamo.reset()
+    out = torch.compile(CheckpointedWithMask(model, use_reentrant), backend=rec)(tokens)
+    assert [(s.action, s.is_causal, s.attn_mask) for s in rec.sites] == [
+        ("rewritten", True, None)] * 2, [(s.module, s.reason) for s in rec.sites]
+    mask = torch.ones(N, N, dtype=torch.bool).tril()
+    torch.testing.assert_close(out.double(), reference(tokens, mask), atol=2e-5, rtol=1e-4)
+
+
 def hf_llama(attn_implementation):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
