@@ -17,7 +17,7 @@ CTA_KEYS = 128  # two consumers of 64 keys
 _TILES = dict(BLOCK_M=64, STAGES=2)
 # producer: one warp issuing TMA copies, or two issuing cp.async ones; with 40 registers for the
 # cp.async producer (232 for consumers) the backward took 13.97 ms against 14.35 with the forward's
-# 56/224 at N = 64K in the Hilbert order (H200, scripts/explore_hilbert_gather.py)
+# 56/224 at N = 64K in the Hilbert order (H200; git show f7b4958:BENCHMARKS.md)
 _TMA_PRODUCER = dict(PRODUCER_WARPS=1, PRODUCER_REGS=24, CONSUMER_REGS=240, num_warps=4)
 _GATHER_PRODUCER = dict(PRODUCER_WARPS=2, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4)
 

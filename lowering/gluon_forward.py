@@ -34,7 +34,7 @@ _TILES = {64: dict(BLOCK_M=64, BLOCK_N=BLOCK_N, STAGES=3), 128: dict(BLOCK_M=64,
 # warp issuing TMA copies, or of four warps issuing cp.async ones. The cp.async producer reads a
 # tile's positions once, before its wait; then four warps at 40 registers took 4% (D = 128) and
 # 6 to 7% (D = 64) fewer cycles than two at 56 (the r = 4 and 8 Hilbert branches at N = 64K, ncu
-# on an H200, BENCHMARKS.md ninth session)
+# on an H200, git show f7b4958:BENCHMARKS.md)
 _TMA_PRODUCER = dict(PRODUCER_WARPS=1, PRODUCER_REGS=24, CONSUMER_REGS=240, num_warps=4)
 _GATHER_PRODUCER = dict(PRODUCER_WARPS=4, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4)
 

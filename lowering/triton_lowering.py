@@ -45,7 +45,7 @@ dropout, whole sets, head dims 64 and 128, 16-bit types): the forward (lowering/
 merges into the same (acc, lse); the backward (lowering/gluon_backward_kernels.py) adds dq into
 a zeroed float32 buffer by atomics (not under deterministic algorithms; the Triton dq kernel of
 a branch beside it then adds to that buffer too) and dK/dV exactly as the Triton dK/dV kernel
-does. On an H200 at N = 64K (tenth session, medians of 3 to 5 rounds): forward 3.75 ms in the
+does. On an H200 at N = 64K (medians of 3 to 5 rounds): forward 3.75 ms in the
 identity order and 3.82 ms in the Hilbert order, forward+backward 17.3 to 18.0 ms in either,
 against the floor's 3.50 to 3.53 and 13.97 to 14.36 (BENCHMARKS.md).
 

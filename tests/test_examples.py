@@ -1,4 +1,4 @@
-"""The examples of issue 6 run end to end on the CPU, at toy sizes (their real runs are on the GPU:
+"""The training and ViT examples run end to end on the CPU, at toy sizes (their real runs are on the GPU:
 BENCHMARKS.md)."""
 import json
 import math
