@@ -22,18 +22,24 @@ class GraphRecord:
     graph_after: str
 
 
+def called_graph(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.GraphModule]:
+    """The GraphModule a get_attr node reads (the body a higher-order op runs), or None."""
+    if node.op != "get_attr":
+        return None
+    sub = gm
+    for part in str(node.target).split("."):
+        sub = getattr(sub, part, None)
+    return sub if isinstance(sub, fx.GraphModule) else None
+
+
 def subgraphs(gm: fx.GraphModule, prefix: str = "") -> list[tuple[str, fx.GraphModule]]:
     """The graphs that higher-order ops of `gm` run, depth first: checkpointed regions
     (torch.utils.checkpoint puts each in one), autocast and no_grad regions, cond branches,
     nested compile regions. Attention inside them is attention of the model."""
     found = []
     for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        sub = gm
-        for part in str(node.target).split("."):
-            sub = getattr(sub, part, None)
-        if isinstance(sub, fx.GraphModule) and all(sub is not g for _, g in found):
+        sub = called_graph(gm, node)
+        if sub is not None and all(sub is not g for _, g in found):
             name = prefix + str(node.target)
             found.append((name, sub))
             found.extend(subgraphs(sub, name + "."))
@@ -47,12 +53,8 @@ def caller_inputs(gm: fx.GraphModule, flows: dict) -> dict:
     from .dataflow import DataFlow
     flow = flows.setdefault(gm, DataFlow(gm.graph))
     for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        sub = gm
-        for part in str(node.target).split("."):
-            sub = getattr(sub, part, None)
-        if not isinstance(sub, fx.GraphModule) or sub in flows:
+        sub = called_graph(gm, node)
+        if sub is None or sub in flows:
             continue
         outer = {}
         for call in node.users:

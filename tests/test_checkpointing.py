@@ -37,12 +37,16 @@ def assert_grads_close(model, reference):
         torch.testing.assert_close(p.grad.double(), p_ref.grad, atol=5e-5, rtol=1e-3, msg=name)
 
 
+def tiny(causal: bool):
+    """A TinyTransformer, its float64 reference copy and tokens."""
+    torch.manual_seed(0)
+    model = TinyTransformer(width=32, heads=4, layers=2, causal=causal)
+    return model, with_reference(model, W, R, hilbert=True), torch.randint(0, 50, (2, N))
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_checkpointed_layers_are_rewritten_and_train_as_the_reference(use_reentrant):
-    torch.manual_seed(0)
-    model = TinyTransformer(width=32, heads=4, layers=2, causal=True)
-    reference = with_reference(model, W, R, hilbert=True)
-    tokens = torch.randint(0, 50, (2, N))
+    model, reference, tokens = tiny(causal=True)
     be = hilbert_fx.backend(W, R, lowering="sdpa")
 
     report = hilbert_fx.explain(Checkpointed(model, use_reentrant), tokens, backend=be)
@@ -84,10 +88,7 @@ class Recorder:
 
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_a_causal_mask_built_outside_the_checkpointed_regions_becomes_is_causal(use_reentrant):
-    torch.manual_seed(0)
-    model = TinyTransformer(width=32, heads=4, layers=2, causal=False)
-    reference = with_reference(model, W, R, hilbert=True)
-    tokens = torch.randint(0, 50, (2, N))
+    model, reference, tokens = tiny(causal=False)
     rec = Recorder(hilbert_fx.backend(W, R, lowering="sdpa"))
     torch._dynamo.reset()
     out = torch.compile(CheckpointedWithMask(model, use_reentrant), backend=rec)(tokens)

@@ -170,14 +170,9 @@ def test_sites_and_identity_configuration_equal_eager(family, impl, padded):
     torch.testing.assert_close(compiled, eager, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("family", ["gpt2", "llama_gqa"])
-def test_causal_language_models_stay_causal_at_a_second_length(family, impl, dynamic):
-    """A second length recompiles with a symbolic length (dynamic=True: from the start, float
-    attributes such as the scale included): the causal mask is still proved, the scale kept."""
-    torch.manual_seed(0)
-    model, _ = FAMILIES[family](impl)
+def equal_to_eager_at_two_lengths(model, dynamic):
+    """Compile under the identity configuration, run two lengths, compare with eager; the
+    recorder of the sites found."""
     model.eval()
     torch._dynamo.reset()
     rec = Recorder(**IDENTITY)
@@ -187,6 +182,18 @@ def test_causal_language_models_stay_causal_at_a_second_length(family, impl, dyn
             ids = torch.randint(1, VOCAB, (BATCH, n))
             torch.testing.assert_close(output(compiled(input_ids=ids)), output(model(input_ids=ids)),
                                        atol=2e-5, rtol=1e-4)
+    return rec
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("family", ["gpt2", "llama_gqa"])
+def test_causal_language_models_stay_causal_at_a_second_length(family, impl, dynamic):
+    """A second length recompiles with a symbolic length (dynamic=True: from the start, float
+    attributes such as the scale included): the causal mask is still proved, the scale kept."""
+    torch.manual_seed(0)
+    model, _ = FAMILIES[family](impl)
+    rec = equal_to_eager_at_two_lengths(model, dynamic)
     assert len(rec.sites) == (2 * LAYERS if dynamic is None else LAYERS)
     assert all(s.action == "rewritten" and s.is_causal for s in rec.sites), [s.reason for s in rec.sites]
 
@@ -196,15 +203,7 @@ def test_deberta_v2_is_rewritten_at_symbolic_lengths():
     dropout's p (a float attribute, out of training) is a run-time value: both are still read."""
     torch.manual_seed(0)
     model, _ = deberta_v2("eager")
-    model.eval()
-    torch._dynamo.reset()
-    rec = Recorder(**IDENTITY)
-    compiled = torch.compile(model, backend=rec, dynamic=True)
-    with torch.no_grad():
-        for n in (N, N + 5):
-            ids = torch.randint(1, VOCAB, (BATCH, n))
-            torch.testing.assert_close(output(compiled(input_ids=ids)), output(model(input_ids=ids)),
-                                       atol=2e-5, rtol=1e-4)
+    rec = equal_to_eager_at_two_lengths(model, dynamic=True)
     assert [(s.action, s.reason) for s in rec.sites] == [("rewritten", "")] * LAYERS
     assert isinstance(rec.sites[0].shapes["q"][2], torch.SymInt)
 
