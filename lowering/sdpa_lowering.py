@@ -31,7 +31,21 @@ class Block:
     padded: bool
 
 
+# Blocks per (plan, heads), kept with their plan: deciding them reads counts on the host, which a
+# CUDA graph cannot capture and which costs a synchronisation per call. Plans are cached too.
+_blocks: dict = {}
+
+
 def blocks_of(plan: BranchPlan, num_heads: int) -> list[Block]:
+    key = (id(plan), num_heads)
+    if key not in _blocks or _blocks[key][0] is not plan:
+        if len(_blocks) > 1024:
+            _blocks.clear()
+        _blocks[key] = (plan, _make_blocks(plan, num_heads))
+    return _blocks[key][1]
+
+
+def _make_blocks(plan: BranchPlan, num_heads: int) -> list[Block]:
     positions = plan.for_heads(num_heads)
     counts = plan.counts.index_select(
         0, torch.arange(num_heads, device=positions.device) % plan.dilation_rate)
