@@ -23,8 +23,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from lowering import dilated_attention, gluon_forward
-from lowering.plans import branch_plans, hilbert_order
+from .lowering import dilated_attention, gluon_forward
+from .lowering.plans import branch_plans, hilbert_order
 
 from .pattern import optional_import, pyplot
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lowering import check_branches
-from lowering.arguments import check_lowering
+from .lowering import check_branches
+from .lowering.arguments import check_lowering
 
 DEFAULT_SEGMENT_LENGTHS = (2048, 4096, 8192, 16384)
 DEFAULT_DILATION_RATES = (1, 2, 4, 8)

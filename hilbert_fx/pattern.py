@@ -5,7 +5,7 @@ import importlib
 
 import torch
 
-from lowering import check_branches
+from .lowering import check_branches
 
 
 def optional_import(name: str, what: str):
@@ -22,7 +22,7 @@ def pyplot(what: str):
     """matplotlib.pyplot on the Agg backend (files, no screen)."""
     optional_import("matplotlib", what).use("Agg")
     return optional_import("matplotlib.pyplot", what)
-from lowering.plans import branch_plans
+from .lowering.plans import branch_plans
 
 
 def key_counts(seq_len: int, segment_lengths, dilation_rates, *, hilbert: bool, head: int = 0,

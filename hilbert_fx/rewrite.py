@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from lowering import resolve_lowering
-from lowering.dropout import new_seed
+from .lowering import resolve_lowering
+from .lowering.dropout import new_seed
 
 from .config import DilatedConfig
 from .dataflow import is_inplace
@@ -72,7 +72,7 @@ def rewrite_site(graph: fx.Graph, site: Site, config: DilatedConfig) -> fx.Node:
         if config.mesh is None:
             call = graph.call_function(OP, args)
         else:  # the ring op: its collectives run over the mesh's process group
-            from lowering import ring  # noqa: F401  (registers the op)
+            from .lowering import ring  # noqa: F401  (registers the op)
             group_name = config.mesh.get_group().group_name
             call = graph.call_function(torch.ops.hilbert_fx.ring_dilated_attention.default,
                                        args + (group_name,))

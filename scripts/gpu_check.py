@@ -18,9 +18,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from reference import reference_dilated_attention  # noqa: E402
 
-import lowering  # noqa: E402
-from lowering import block_attention  # noqa: E402
-from lowering.dropout import keep_mask  # noqa: E402
+import hilbert_fx.lowering as lowering  # noqa: E402
+from hilbert_fx.lowering import block_attention  # noqa: E402
+from hilbert_fx.lowering.dropout import keep_mask  # noqa: E402
 
 CASES = [
     # name, B, Hq, Hkv, N, D, branches, hilbert, causal, mask

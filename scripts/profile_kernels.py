@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lowering import dilated_attention  # noqa: E402
+from hilbert_fx.lowering import dilated_attention  # noqa: E402
 
 SEGS, RATES = [2048, 4096, 8192, 16384], [1, 2, 4, 8]
 
@@ -61,7 +61,7 @@ def fwd_bwd(fn, inputs):
 
 def registers() -> list[str]:
     """Registers and spills of each compiled kernel of lowering/triton_kernels.py."""
-    from lowering import triton_kernels as tk
+    from hilbert_fx.lowering import triton_kernels as tk
     lines = []
     for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_preprocess"):
         fn = getattr(tk, name)

@@ -176,7 +176,7 @@ def timed(fn, warmup: int, iters: int, group=None) -> float:
 def pairs_per_gpu(n_total: int, world: int, segs, rates, hilbert: bool, causal: bool,
                   heads: int) -> float:
     """Query-key pairs each GPU computes, averaged over GPUs (from the index plans)."""
-    from lowering.plans import branch_plan
+    from hilbert_fx.lowering.plans import branch_plan
     total = 0
     for w, r in zip(segs, rates):
         plan = branch_plan(n_total, w, r, hilbert, "cpu")
@@ -199,7 +199,7 @@ def make_inputs(n_total, args, dtype, seed, device, requires_grad=False):
 
 def ring_lowering(args) -> str:
     """--ring-lowering resolved for this process's device, as the op resolves it."""
-    from lowering.arguments import resolve_lowering
+    from hilbert_fx.lowering.arguments import resolve_lowering
     return resolve_lowering(args.ring_lowering, torch.device(DEV))
 
 
@@ -212,8 +212,8 @@ def rel_err(a, b):
 
 def check(args, mesh, rank, world):
     """Ring on `world` GPUs against the single-device op on one GPU, forward and backward."""
-    import lowering
-    from lowering.ring import ring_dilated_attention
+    import hilbert_fx.lowering as lowering
+    from hilbert_fx.lowering.ring import ring_dilated_attention
     n = args.n_check
     n_total = n * world
     rows = []
@@ -282,10 +282,10 @@ def _agree_flag(flag: bool) -> bool:
 
 
 def weak_scaling(args, rank, world, t_start, on_row):
-    import lowering
-    from lowering import ring
-    from lowering.ring import ring_dilated_attention
-    from lowering.ring_plan import plan_bytes
+    import hilbert_fx.lowering as lowering
+    from hilbert_fx.lowering import ring
+    from hilbert_fx.lowering.ring import ring_dilated_attention
+    from hilbert_fx.lowering.ring_plan import plan_bytes
     dtype = DTYPES[args.dtype]
     n = args.tokens_per_gpu
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else \

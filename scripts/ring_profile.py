@@ -51,7 +51,7 @@ def run(rank, world, port, args):
                             timeout=datetime.timedelta(seconds=120))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ring_benchmark import default_branches
-    from lowering.ring import ring_dilated_attention
+    from hilbert_fx.lowering.ring import ring_dilated_attention
     n = args.tokens_per_gpu
     segs, rates = default_branches(n, world)
     g = torch.Generator(device="cuda").manual_seed(rank)

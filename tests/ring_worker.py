@@ -58,7 +58,7 @@ def _np(t):
 # What a rank does for each kind of case.
 
 def _run_attention(case, rank, mesh, between=None):
-    from lowering import ring
+    from hilbert_fx.lowering import ring
     q, k, v, dout = full_inputs(case)
     n = case["n"]
     sl = slice(rank * n, (rank + 1) * n)
@@ -100,7 +100,7 @@ def _run_attention(case, rank, mesh, between=None):
 
 def _run_error(case, rank, mesh):
     """Each rank calls with its own arguments; every rank must raise, none may hang."""
-    from lowering import ring
+    from hilbert_fx.lowering import ring
     spec = dict(case["common"])
     spec.update(case["per_rank"].get(rank, {}))
     n = spec["n"]
@@ -154,9 +154,9 @@ def compiled_inputs(case):
 
 def _run_overlap(case, rank, mesh):
     """The order in which the op posts messages, waits for them and computes blocks."""
-    from lowering import ring
+    from hilbert_fx.lowering import ring
     events = []
-    from lowering import triton_lowering
+    from hilbert_fx.lowering import triton_lowering
     saved = (ring.dist.batch_isend_irecv, ring._wait, ring.block_attention.forward,
              ring.block_attention.backward, triton_lowering.forward, triton_lowering.backward)
 

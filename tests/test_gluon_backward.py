@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_op_exact import (TRITON_ORDERS, _PoisonedTorch, assert_matches,  # noqa: E402
                            common_scale, require_lowering, run_both)
 
-from lowering import gluon_backward, gluon_forward  # noqa: E402
-from lowering.plans import branch_plan  # noqa: E402
+from hilbert_fx.lowering import gluon_backward, gluon_forward  # noqa: E402
+from hilbert_fx.lowering.plans import branch_plan  # noqa: E402
 
 LOG2E = 1.4426950408889634
 
@@ -63,7 +63,7 @@ def emulated_launch(q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2, d
 @pytest.mark.parametrize("cfg", TRITON_ORDERS, ids=lambda c: f"N{c['N']}-{c['segs']}-{c['rates']}")
 def test_backward_mixes_hopper_and_triton_branches(cfg, hopper_rates, monkeypatch):
     require_lowering("triton")
-    from lowering import triton_lowering
+    from hilbert_fx.lowering import triton_lowering
 
     def unsupported(q, k, v, plan, *, mask_kind, dropout, **kw):
         r = plan.dilation_rate

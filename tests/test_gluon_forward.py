@@ -7,8 +7,8 @@ each selected set, and when the kernel is not used.
 import pytest
 import torch
 
-from lowering import gluon_forward
-from lowering.plans import branch_plan
+from hilbert_fx.lowering import gluon_forward
+from hilbert_fx.lowering.plans import branch_plan
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
@@ -54,7 +54,7 @@ def test_not_used_on_cpu_or_when_turned_off(monkeypatch):
 def test_whole_sets_only():
     """The kernel's grid assumes N / w segments of w / r members each: a partial last segment or
     a ring shard's part of a segment runs on the Triton kernels."""
-    from lowering.ring_plan import shard_branch_plans
+    from hilbert_fx.lowering.ring_plan import shard_branch_plans
     assert gluon_forward._whole_sets(branch_plan(4096, 1024, 2, True))
     assert not gluon_forward._whole_sets(branch_plan(4000, 1024, 2, True))
     for plan in shard_branch_plans(3000, 2, 0, [2048, 4096], [1, 2], True):

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():  # Triton can only run interpreted here (SPEC 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import hilbert_fx  # noqa: E402
-from lowering import block_attention, check_branches, ring  # noqa: E402
+from hilbert_fx.lowering import block_attention, check_branches, ring  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from reference import reference_dilated_attention  # noqa: E402

@@ -384,8 +384,8 @@ def test_kernel_positions_padded(n, w, r):
     """The kernels load a tile of positions, and the next tile's, without a mask: each set's
     members in ascending order (from the reference's Hilbert order), then 0 up to at least one
     whole tile of POSITION_PAD past the set's end."""
-    from lowering.plans import branch_plan
-    from lowering.triton_lowering import POSITION_PAD, _plan_tensors
+    from hilbert_fx.lowering.plans import branch_plan
+    from hilbert_fx.lowering.triton_lowering import POSITION_PAD, _plan_tensors
     from reference import hilbert_order
     plan = branch_plan(n, w, r, hilbert=True)
     pos, cnt, strided = _plan_tensors(plan, torch.device("cpu"))
@@ -406,7 +406,7 @@ def test_shrunk_tiles_keep_the_walk_divisible(keep_divisible_m):
     """After running out of GPU resources the launcher retries with _shrunk configs: stages go
     first, then tiles halve, never below 16, the tile walked in whole steps (BLOCK_M for fwd and
     dq, BLOCK_N for dkdv) staying a multiple of the other, until nothing smaller is left."""
-    from lowering.triton_lowering import TileConfig, _shrunk
+    from hilbert_fx.lowering.triton_lowering import TileConfig, _shrunk
     sizes = (16, 32, 64, 128, 256)
     for big in sizes:
         for small in (s for s in sizes if s <= big):
@@ -462,7 +462,7 @@ def test_triton_backward_orders(cfg, atomic_dq, monkeypatch):
     never zeroed, reading only rows an earlier launch wrote, and lets the r == 1 branch write
     the final gradients: poisoned buffers show any read of a row nobody wrote."""
     require_lowering("triton")
-    from lowering import triton_lowering
+    from hilbert_fx.lowering import triton_lowering
     monkeypatch.setattr(triton_lowering, "torch", _PoisonedTorch())
     monkeypatch.setenv("HILBERT_FX_TRITON_ATOMIC_DQ", atomic_dq)
     out, ref, g_out, g_ref = run_both(cfg, lowering="triton")
@@ -477,7 +477,7 @@ def test_triton_backward_int64_offsets(cfg, monkeypatch):
     """The backward's epilogues address gradient rows with int32 offsets within a head unless
     N * BLOCK_D reaches 2**31 (WIDE); lowering the limit runs the int64 path on small shapes."""
     require_lowering("triton")
-    from lowering import triton_lowering
+    from hilbert_fx.lowering import triton_lowering
     monkeypatch.setattr(triton_lowering, "torch", _PoisonedTorch())
     monkeypatch.setattr(triton_lowering, "INT32_OFFSET_LIMIT", 1)
     monkeypatch.setenv("HILBERT_FX_TRITON_ATOMIC_DQ", "0")

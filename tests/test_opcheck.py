@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import lowering  # noqa: F401  (registers the op)
+import hilbert_fx.lowering as lowering  # noqa: F401  (registers the op)
 
 OP = torch.ops.hilbert_fx.dilated_attention.default
 

@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import ring_worker  # noqa: E402
 from reference import reference_dilated_attention, selected_sets  # noqa: E402
 
-from lowering.dropout import keep_mask  # noqa: E402
-from lowering.ring_plan import plan_bytes, ring_plan  # noqa: E402
+from hilbert_fx.lowering.dropout import keep_mask  # noqa: E402
+from hilbert_fx.lowering.ring_plan import plan_bytes, ring_plan  # noqa: E402
 
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
@@ -411,8 +411,8 @@ def test_shard_plans_hold_each_selected_position_once(n, world, segs, rates, hil
     """Per branch and offset, the shard plan's sets hold exactly the branch's selected positions
     in the shard (in local rows), each once, grouped as the global segments group them; together
     they cover the same (head, query, key) pairs as the SDPA path's local blocks."""
-    from lowering.plans import branch_plan
-    from lowering.ring_plan import shard_branch_plans
+    from hilbert_fx.lowering.plans import branch_plan
+    from hilbert_fx.lowering.ring_plan import shard_branch_plans
     heads = 4
     for rank in range(world):
         lo = rank * n
@@ -444,8 +444,8 @@ def test_shard_plans_hold_each_selected_position_once(n, world, segs, rates, hil
 def test_aligned_shard_plans_are_the_single_device_plans():
     """Where the shard's edges fall on segment edges, the shard plan is the single-device plan
     of a sequence of n positions (the same cached object: strided, no position loads)."""
-    from lowering.plans import branch_plan
-    from lowering.ring_plan import shard_branch_plans
+    from hilbert_fx.lowering.plans import branch_plan
+    from hilbert_fx.lowering.ring_plan import shard_branch_plans
     plans = shard_branch_plans(16, 4, 1, (8, 16, 64), (1, 2, 4), False)
     assert plans[0] is branch_plan(16, 8, 1, False) and plans[0].is_strided
     assert plans[1] is branch_plan(16, 16, 2, False)
