@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from .config import DEFAULT_DILATION_RATES, DEFAULT_SEGMENT_LENGTHS, DilatedConfig
-from .detect import find_sites
+from .find import find_sites
 from .rewrite import graph_is_scoped, rewrite
 from .scope import compiled_roots, module_names
 from .sites import Site, qualified_name

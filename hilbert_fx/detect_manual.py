@@ -34,95 +34,12 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
-from .dataflow import DataFlow, _same_size, is_inplace
-from .detect import FORBIDDEN, MaskTerm, build_mask, mask_shape, resolve_masks, unrepeat_kv
-from .sites import Site, example
-
-_aten = torch.ops.aten
-
-
-def _targets(*names):
-    out = set()
-    for name in names:
-        obj = torch
-        try:
-            for part in name.split("."):
-                obj = getattr(obj, part)
-        except AttributeError:
-            continue
-        out.add(obj)
-    return out
-
-
-_FUNCTIONS = {}
-for _name, _targets_of in {
-    "matmul": _targets("matmul", "Tensor.matmul", "Tensor.__matmul__", "ops.aten.matmul.default") | {operator.matmul},
-    "bmm": _targets("bmm", "Tensor.bmm", "ops.aten.bmm.default"),
-    "einsum": _targets("einsum", "functional.einsum", "ops.aten.einsum.default"),
-    "baddbmm": _targets("baddbmm", "Tensor.baddbmm", "ops.aten.baddbmm.default"),
-    "mul": _targets("mul", "multiply", "Tensor.mul", "ops.aten.mul.Tensor", "ops.aten.mul.Scalar") | {operator.mul, operator.imul},
-    "div": _targets("div", "divide", "true_divide", "Tensor.div", "ops.aten.div.Tensor", "ops.aten.div.Scalar") | {operator.truediv, operator.itruediv},
-    "add": _targets("add", "Tensor.add", "ops.aten.add.Tensor") | {operator.add, operator.iadd},
-    "sub": _targets("sub", "subtract", "Tensor.sub", "ops.aten.sub.Tensor") | {operator.sub, operator.isub},
-    "where": _targets("where", "ops.aten.where.self"),
-    "masked_fill": _targets("masked_fill", "ops.aten.masked_fill.Scalar", "ops.aten.masked_fill.Tensor"),
-    "softmax": _targets("softmax", "_softmax", "special.softmax", "ops.aten._softmax.default", "ops.aten.softmax.int") | {F.softmax},
-    "dropout": _targets("dropout", "ops.aten.dropout.default") | {F.dropout},
-    "transpose": _targets("transpose", "swapaxes", "swapdims", "ops.aten.transpose.int"),
-    "permute": _targets("permute", "ops.aten.permute.default"),
-    "cast": _targets("clone", "ops.aten.clone.default", "ops.aten._to_copy.default"),
-    "reshape": _targets("reshape", "flatten", "unflatten", "ops.aten.view.default",
-                        "ops.aten.reshape.default", "ops.aten._unsafe_view.default"),
-}.items():
-    for _t in _targets_of:
-        _FUNCTIONS[_t] = _name
-
-_METHODS = {
-    "matmul": "matmul", "__matmul__": "matmul", "bmm": "bmm", "baddbmm": "baddbmm",
-    "mul": "mul", "mul_": "mul", "multiply": "mul", "div": "div", "div_": "div",
-    "true_divide": "div", "divide": "div", "add": "add", "add_": "add", "sub": "sub", "sub_": "sub",
-    "masked_fill": "masked_fill", "masked_fill_": "masked_fill", "softmax": "softmax",
-    "to": "cast", "float": "cast", "half": "cast", "double": "cast", "bfloat16": "cast",
-    "type": "cast", "type_as": "cast", "contiguous": "cast", "clone": "cast",
-    "transpose": "transpose", "swapaxes": "swapaxes", "swapdims": "transpose", "permute": "permute",
-    "where": "where_method", "view": "reshape", "reshape": "reshape", "flatten": "reshape",
-    "unflatten": "reshape", "view_as": "reshape", "reshape_as": "reshape",
-}
-
-
-def op_name(node) -> Optional[str]:
-    """The canonical step a node performs, or None."""
-    if not isinstance(node, fx.Node):
-        return None
-    if node.op == "call_method":
-        name = _METHODS.get(node.target)
-        return "transpose" if name == "swapaxes" else name
-    if node.op == "call_function":
-        if node.target is getattr and len(node.args) == 2:
-            return {"mT": "mT", "mH": "mT", "T": "T"}.get(node.args[1])
-        try:
-            return _FUNCTIONS.get(node.target)
-        except TypeError:  # unhashable target
-            return None
-    if node.op == "call_module":
-        module = node.graph.owning_module.get_submodule(node.target) if node.graph.owning_module else None
-        if isinstance(module, torch.nn.Softmax):
-            return "softmax"
-        if isinstance(module, torch.nn.Dropout):
-            return "dropout"
-    return None
-
-
-def _shape(node) -> Optional[tuple]:
-    ex = example(node)
-    return tuple(ex.shape) if isinstance(ex, torch.Tensor) else None
-
-
-def _is_tensor(node) -> bool:
-    return isinstance(node, fx.Node) and isinstance(example(node), torch.Tensor)
-
+from .dataflow import DataFlow
+from .detect import FORBIDDEN, MaskTerm, build_mask, mask_shape, resolve_masks
+from .fx_vocab import (arg, example, is_inplace, is_tensor, op_name, same_size, shape_of, target_name,
+                       unrepeat_pair)
+from .sites import Site
 
 class _Fail(Exception):
     """Why a softmax's scores or probabilities cannot be read. `graph_input`: the reading stopped
@@ -169,12 +86,6 @@ def _operands(node: fx.Node) -> list:
     return list(node.args)
 
 
-def _kw(node: fx.Node, index: int, name: str, default=None):
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
 def _number(flow: DataFlow, x) -> Optional[float]:
     """x as a Python float, when it is a compile-time constant scalar."""
     if isinstance(x, bool):
@@ -197,24 +108,24 @@ def _number(flow: DataFlow, x) -> Optional[float]:
 def _softmax_dim(node: fx.Node):
     if node.op == "call_module":
         return node.graph.owning_module.get_submodule(node.target).dim
-    return _kw(node, 1, "dim")
+    return arg(node, 1, "dim")
 
 
 def _regroup(node: fx.Node) -> tuple[bool, Optional[int]]:
     """A "reshape" step over scores or probabilities: (True, None) when it keeps the shape,
     (True, H) when it folds [B, H, i, j] into [B*H, i, j] or unfolds [B*H, i, j] into
     [B, H, i, j] (views are row-major, so these are the only readings), (False, None) otherwise."""
-    src, out = _shape(node.args[0]) if node.args else None, _shape(node)
+    src, out = shape_of(node.args[0]) if node.args else None, shape_of(node)
     if src is None or out is None:
         return False, None
-    if len(src) == len(out) and all(_same_size(a, b) for a, b in zip(src, out)):
+    if len(src) == len(out) and all(same_size(a, b) for a, b in zip(src, out)):
         return True, None
-    if len(src) < 2 or len(out) < 2 or not (_same_size(src[-1], out[-1])
-                                            and _same_size(src[-2], out[-2])):
+    if len(src) < 2 or len(out) < 2 or not (same_size(src[-1], out[-1])
+                                            and same_size(src[-2], out[-2])):
         return False, None
-    if len(src) == 4 and len(out) == 3 and _same_size(src[0] * src[1], out[0]):
+    if len(src) == 4 and len(out) == 3 and same_size(src[0] * src[1], out[0]):
         heads = src[1]
-    elif len(src) == 3 and len(out) == 4 and _same_size(out[0] * out[1], src[0]):
+    elif len(src) == 3 and len(out) == 4 and same_size(out[0] * out[1], src[0]):
         heads = out[1]
     else:
         return False, None
@@ -265,16 +176,16 @@ def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int
                 raise _Fail("a rounding division between the scores and the softmax")
             a, b = args[0], (args[1] if len(args) > 1 else x.kwargs.get("other"))
             ca, cb = _number(flow, a), _number(flow, b)
-            if name == "mul" and cb is not None and _is_tensor(a):
+            if name == "mul" and cb is not None and is_tensor(a):
                 factor, chain = factor * cb, a
-            elif name == "mul" and ca is not None and _is_tensor(b):
+            elif name == "mul" and ca is not None and is_tensor(b):
                 factor, chain = factor * ca, b
-            elif name == "div" and cb is not None and cb != 0 and _is_tensor(a):
+            elif name == "div" and cb is not None and cb != 0 and is_tensor(a):
                 factor, chain = factor / cb, a
-            elif name in ("mul", "div") and _runtime_scalar(b) and _is_tensor(a):
+            elif name in ("mul", "div") and _runtime_scalar(b) and is_tensor(a):
                 runtime.append((name, b))
                 chain = a
-            elif name == "mul" and _runtime_scalar(a) and _is_tensor(b):
+            elif name == "mul" and _runtime_scalar(a) and is_tensor(b):
                 runtime.append((name, a))
                 chain = b
             else:
@@ -287,10 +198,10 @@ def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int
             sign = -1.0 if name == "sub" else 1.0
             if not isinstance(alpha, (int, float)):
                 raise _Fail("an add with a run-time alpha between the scores and the softmax")
-            if not _is_tensor(b) and _number(flow, b) is not None:
+            if not is_tensor(b) and _number(flow, b) is not None:
                 consumer, x = x, a  # a constant shift: the softmax does not see it
                 continue
-            if not _is_tensor(a) and _number(flow, a) is not None and name == "add":
+            if not is_tensor(a) and _number(flow, a) is not None and name == "add":
                 consumer, x = x, b
                 continue
             if depth > 4:
@@ -309,7 +220,7 @@ def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int
                     term = MaskTerm(a, "add", factor)
                 except _Fail:
                     raise first from None
-            if not _is_tensor(term.node):
+            if not is_tensor(term.node):
                 raise _Fail("an additive mask that is not a tensor")
             inner.terms = terms + [term] + inner.terms
             inner.region |= region
@@ -332,11 +243,11 @@ def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int
             else:
                 cond, a, b = args[1], args[0], (args[2] if len(args) > 2 else x.kwargs.get("other"))
             va, vb = _number(flow, a), _number(flow, b)
-            if vb is not None and _is_tensor(a) and example(a).shape == example(x).shape and factor > 0 and vb * factor <= FORBIDDEN:
+            if vb is not None and is_tensor(a) and example(a).shape == example(x).shape and factor > 0 and vb * factor <= FORBIDDEN:
                 terms.append(MaskTerm(cond, "allow"))
                 consumer, x = x, a
                 continue
-            if va is not None and _is_tensor(b) and example(b).shape == example(x).shape and factor > 0 and va * factor <= FORBIDDEN:
+            if va is not None and is_tensor(b) and example(b).shape == example(x).shape and factor > 0 and va * factor <= FORBIDDEN:
                 terms.append(MaskTerm(cond, "forbid"))
                 consumer, x = x, b
                 continue
@@ -350,12 +261,12 @@ def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int
                 raise _Fail("baddbmm with run-time beta or alpha")
             if beta != 0:
                 unscaled("baddbmm's input")
-                bias = _kw(x, 0, "input", x.kwargs.get("self"))
-                if not _is_tensor(bias):
+                bias = arg(x, 0, "input", x.kwargs.get("self"))
+                if not is_tensor(bias):
                     raise _Fail("baddbmm's input is not a tensor")
                 terms.append(MaskTerm(bias, "add", factor * beta))
             return _Scores(x, factor * alpha, terms, region, runtime, heads)
-        what = x.target if x.op == "call_method" else getattr(x.target, "__name__", str(x.target))
+        what = target_name(x) or str(x.target)
         raise _Fail(f"{what} between the scores and the softmax is not part of attention")
     raise _Fail("the scores are computed through too many steps")
 
@@ -371,7 +282,7 @@ def _product_operands(node: fx.Node) -> tuple[Optional[str], list]:
             ops = list(ops[0])
         return spec, list(ops)
     if name == "baddbmm":  # alibi.baddbmm(batch1=q, batch2=k^T) names its operands
-        return None, [_kw(node, 1, "batch1"), _kw(node, 2, "batch2")]
+        return None, [arg(node, 1, "batch1"), arg(node, 2, "batch2")]
     return None, [args[0], args[1] if len(args) > 1 else node.kwargs.get("other")]
 
 
@@ -411,12 +322,12 @@ def _value_products(flow: DataFlow, softmax: fx.Node, depth: int = 6) -> list:
                 name = op_name(u)
                 if name in ("matmul", "bmm", "einsum"):
                     spec, ops = _product_operands(u)
-                    if len(ops) == 2 and n in ops and all(_is_tensor(o) for o in ops):
+                    if len(ops) == 2 and n in ops and all(is_tensor(o) for o in ops):
                         other = ops[1] if ops[0] is n else ops[0]
                         if spec is not None or ops[0] is n:
                             found.append((u, n, other))
                             continue
-                if _shape(u) == _shape(n) or (
+                if shape_of(u) == shape_of(n) or (
                         name == "reshape" and u.args[0] is n and _regroup(u)[0]):
                     nxt.append(u)
         frontier = nxt
@@ -451,8 +362,8 @@ def _walk_probs(flow: DataFlow, product: fx.Node, x, softmax: fx.Node) -> tuple[
                 module = x.graph.owning_module.get_submodule(x.target)
                 p, training = module.p, module.training
             else:
-                p = _kw(x, 1, "p", 0.5)
-                training = _kw(x, 2, "train" if x.target is torch.dropout else "training", True)
+                p = arg(x, 1, "p", 0.5)
+                training = arg(x, 2, "train" if x.target is torch.dropout else "training", True)
             # out of training p does not matter (a float attribute made dynamic, say)
             if not isinstance(training, bool) or (training and not isinstance(p, (int, float))):
                 raise _Fail("dropout on the attention probabilities with run-time arguments")
@@ -462,7 +373,7 @@ def _walk_probs(flow: DataFlow, product: fx.Node, x, softmax: fx.Node) -> tuple[
                 dropout_p = float(p)
             consumer, x = x, args[0]
             continue
-        what = x.target if x.op == "call_method" else getattr(x.target, "__name__", str(x.target))
+        what = target_name(x) or str(x.target)
         raise _Fail(f"the attention probabilities go through {what} before the product with v")
     raise _Fail("the probabilities reach v through too many steps")
 
@@ -522,7 +433,7 @@ class _Operand:
         return self.perm is None and not self.unsqueeze and not self.swap_last
 
     def shape(self) -> tuple:
-        s = list(_shape(self.node))
+        s = list(shape_of(self.node))
         if self.perm is not None:
             s = [s[i] for i in self.perm]
         for pos in self.unsqueeze:
@@ -547,14 +458,14 @@ def _swapped(node) -> Optional[fx.Node]:
     if not isinstance(node, fx.Node):
         return None
     name = op_name(node)
-    shape = _shape(node)
+    shape = shape_of(node)
     if shape is None or len(shape) < 2:
         return None
     nd = len(shape)
     if name == "mT" or (name == "T" and nd == 2):
         return node.args[0]
     if name == "transpose":
-        d0, d1 = _kw(node, 1, "dim0"), _kw(node, 2, "dim1")
+        d0, d1 = arg(node, 1, "dim0"), arg(node, 2, "dim1")
         if isinstance(d0, int) and isinstance(d1, int) and {d0 % nd, d1 % nd} == {nd - 2, nd - 1}:
             return node.args[0]
     if name == "permute":
@@ -569,7 +480,7 @@ def _swapped(node) -> Optional[fx.Node]:
 
 def _pad(node: fx.Node, nd: int) -> _Operand:
     """node left-padded with size-1 dims to nd dims (matmul's broadcasting)."""
-    have = len(_shape(node))
+    have = len(shape_of(node))
     return _Operand(node, unsqueeze=tuple(range(nd - have)))
 
 
@@ -581,22 +492,22 @@ def _canonical(sub: str, target: str, node: fx.Node) -> _Operand:
 
 def _score_geometry(scores: fx.Node, spec, ops) -> tuple[_Operand, _Operand, int, Optional[list]]:
     """(q, k, batch dims, einsum letters of the scores or None)."""
-    sshape = _shape(scores)
+    sshape = shape_of(scores)
     nd = len(sshape)
     if nd not in (3, 4):
         raise _Fail(f"scores of shape {sshape}: neither [B, H, N, N] nor [B*H, N, N]")
     a, b = ops
     if spec is None:
-        if len(_shape(a)) > nd or len(_shape(b)) > nd or len(_shape(a)) < 2 or len(_shape(b)) < 2:
+        if len(shape_of(a)) > nd or len(shape_of(b)) > nd or len(shape_of(a)) < 2 or len(shape_of(b)) < 2:
             raise _Fail("a score product with unusual operand ranks")
         q = _pad(a, nd)
         k_plain = _swapped(b)
-        if k_plain is not None and len(_shape(k_plain)) == len(_shape(b)):
+        if k_plain is not None and len(shape_of(k_plain)) == len(shape_of(b)):
             k = _pad(k_plain, nd)
         else:
-            k = _Operand(b, unsqueeze=tuple(range(nd - len(_shape(b)))), swap_last=True)
+            k = _Operand(b, unsqueeze=tuple(range(nd - len(shape_of(b)))), swap_last=True)
         return q, k, nd - 2, None
-    parsed = parse_einsum(spec, [len(_shape(a)), len(_shape(b))])
+    parsed = parse_einsum(spec, [len(shape_of(a)), len(shape_of(b))])
     if parsed is None:
         raise _Fail(f"einsum {spec!r} is not a product the pass understands")
     (sa, sb), so = parsed
@@ -615,11 +526,11 @@ def _value_geometry(product: fx.Node, probs, v, score_letters: Optional[list], n
     """(v operand, permutation of the op's canonical output to the product's output or None)."""
     spec, ops = _product_operands(product)
     if spec is None:
-        nd = len(_shape(product))
-        if nd != nb + 2 or len(_shape(v)) > nd:
+        nd = len(shape_of(product))
+        if nd != nb + 2 or len(shape_of(v)) > nd:
             raise _Fail("the product with v does not keep the scores' batch dims")
         return _pad(v, nd), None
-    ndims = [len(_shape(o)) for o in ops]
+    ndims = [len(shape_of(o)) for o in ops]
     parsed = parse_einsum(spec, ndims)
     if parsed is None:
         raise _Fail(f"einsum {spec!r} is not a product the pass understands")
@@ -647,19 +558,19 @@ def _heads_upstream(node: fx.Node, bh: int, n: int, d: int) -> Optional[int]:
     for _ in range(10):
         if not isinstance(x, fx.Node):
             return None
-        shape = _shape(x)
+        shape = shape_of(x)
         if x is not node and shape is not None:
             if len(shape) == 4:
                 for p1, p2 in ((0, 1), (0, 2), (1, 2)):
                     rest = [s for idx, s in enumerate(shape) if idx not in (p1, p2)]
                     if shape[p1] * shape[p2] == bh and sorted(rest) == sorted([n, d]) and shape[p2] > 1:
                         return shape[p2]
-            if len(shape) == 3 and shape != _shape(node) and n in shape[:2] and shape[2] % d == 0:
+            if len(shape) == 3 and shape != shape_of(node) and n in shape[:2] and shape[2] % d == 0:
                 h = shape[2] // d
                 other = shape[1] if shape[0] == n else shape[0]
                 if h > 0 and other * h == bh:
                     return h
-        name = x.target if x.op == "call_method" else getattr(x.target, "__name__", "")
+        name = target_name(x)
         if name not in _SHAPE_STEPS or not x.args:
             return None
         x = x.args[0]
@@ -668,8 +579,8 @@ def _heads_upstream(node: fx.Node, bh: int, n: int, d: int) -> Optional[int]:
 
 def _heads_downstream(node: fx.Node, bh: int) -> Optional[int]:
     for u in node.users:
-        shape = _shape(u)
-        name = u.target if u.op == "call_method" else getattr(u.target, "__name__", "")
+        shape = shape_of(u)
+        name = target_name(u)
         if name in ("view", "reshape", "unflatten") and shape and len(shape) == 4 and shape[0] * shape[1] == bh:
             return shape[1]
     return None
@@ -698,7 +609,7 @@ def _content_term(flow: DataFlow, terms: list, q: fx.Node, k: fx.Node) -> Option
 
 
 def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Site]:
-    shape = _shape(softmax)
+    shape = shape_of(softmax)
     if shape is None or len(shape) < 2:
         return None
     products = _value_products(flow, softmax)
@@ -713,7 +624,7 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Site]:
             return Site(kind="manual", output=products[0][0], reason=str(fail))
         return None
     spec, ops = _product_operands(scores.product)
-    if len(ops) != 2 or not all(_is_tensor(o) for o in ops) or not all(
+    if len(ops) != 2 or not all(is_tensor(o) for o in ops) or not all(
             flow.is_activation(o) for o in ops):
         return None  # scores of a linear layer, not of two activations: not attention
     product, probs, v = products[0]
@@ -777,9 +688,8 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Site]:
         # GQA: keys and values repeated to the query heads (repeat_kv) go to the op as they were
         kb = k.node if k.plain else None
         if kb is not None and vop.plain:
-            k0, rk = unrepeat_kv(kb)
-            v0, rv = unrepeat_kv(vop.node)
-            if rk > 1 and rk == rv:
+            k0, v0, rep = unrepeat_pair(kb, vop.node)
+            if rep > 1:
                 k, vop = _Operand(k0), _Operand(v0)
                 ks, vs = k.shape(), vop.shape()
                 site.k, site.v = k0, v0

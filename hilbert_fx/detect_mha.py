@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from .dataflow import DataFlow
 from .detect import MaskTerm, build_mask, mask_shape, resolve_masks
-from .sites import Site, example
+from .fx_vocab import example, shape_of
+from .sites import Site
 
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 _ENCODER_LAYER = getattr(torch, "_transformer_encoder_layer_fwd", None)
@@ -179,11 +180,6 @@ def _outputs(node: fx.Node) -> tuple[Optional[fx.Node], bool]:
     return out, weights_used
 
 
-def _shape(node):
-    ex = example(node)
-    return tuple(ex.shape) if isinstance(ex, torch.Tensor) else None
-
-
 def _mha_forward(node: fx.Node, flow: DataFlow) -> Optional[Site]:
     try:
         bound = _MHA_SIGNATURE.bind(*node.args, **node.kwargs)
@@ -211,7 +207,7 @@ def _mha_forward(node: fx.Node, flow: DataFlow) -> Optional[Site]:
         site.reason = "static_k/static_v: keys and values are given from outside"
     if site.reason:
         return site
-    qs, ks, vs = _shape(a["query"]), _shape(a["key"]), _shape(a["value"])
+    qs, ks, vs = shape_of(a["query"]), shape_of(a["key"]), shape_of(a["value"])
     if qs is None or len(qs) != 3 or ks is None or len(ks) != 3 or vs is None or len(vs) != 3:
         site.reason = "unbatched input to nn.MultiheadAttention"
         return site
@@ -254,7 +250,7 @@ def _encoder_layer(node: fx.Node, flow: DataFlow) -> Optional[Site]:
         if isinstance(a[name], fx.Node):
             site.reason = f"{name} is computed at run time; it must be a constant"
             return site
-    shape = _shape(src)
+    shape = shape_of(src)
     if shape is None or len(shape) != 3:
         site.reason = "the fused encoder layer's input is not [B, N, E]"
         return site
@@ -288,7 +284,7 @@ def _native_mha(node: fx.Node, flow: DataFlow) -> Optional[Site]:
     if weights_used:
         site.reason = "attention weights are used outside the attention (need_weights=True)"
         return site
-    qs, ks, vs = _shape(a["query"]), _shape(a["key"]), _shape(a["value"])
+    qs, ks, vs = shape_of(a["query"]), shape_of(a["key"]), shape_of(a["value"])
     if qs is None or len(qs) != 3 or ks is None or len(ks) != 3 or vs is None or len(vs) != 3:
         site.reason = "unbatched input to nn.MultiheadAttention"
         return site

@@ -17,10 +17,10 @@ from .lowering import resolve_lowering
 from .lowering.dropout import new_seed
 
 from .config import DilatedConfig
-from .dataflow import is_inplace
+from .fx_vocab import example, is_inplace
 from .logs import log, log_site
 from .scope import compiled_roots, config_of
-from .sites import Site, example
+from .sites import Site
 
 OP = torch.ops.hilbert_fx.dilated_attention.default
 

@@ -79,10 +79,3 @@ def qualified_name(node: fx.Node, names: dict) -> Optional[str]:
         return names.get(int(key)) or None
     except (TypeError, ValueError):
         return None
-
-
-def example(node) -> Optional[object]:
-    """The fake tensor (or value) recorded for a node, if any."""
-    if not isinstance(node, fx.Node):
-        return node
-    return node.meta.get("example_value", node.meta.get("val"))

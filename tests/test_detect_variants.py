@@ -618,9 +618,9 @@ def document_mask(position_ids, n):
 def test_one_document_mask_is_causal(limit, monkeypatch):
     """limit 64: the [N, N] mask is too large to evaluate at compile time (as at 32K tokens),
     so it is read symbolically; the document ids ([1, N]) are still small enough to evaluate."""
-    from hilbert_fx import dataflow
+    from hilbert_fx import constants
     if limit is not None:
-        monkeypatch.setattr(dataflow, "CONSTANT_NUMEL_LIMIT", limit)
+        monkeypatch.setattr(constants, "CONSTANT_NUMEL_LIMIT", limit)
     torch.manual_seed(0)
     model = Variant(lambda m, x, keep: sdpa_document_mask(m, x, None)).eval()
     x, keep = inputs(1)
