@@ -1,6 +1,7 @@
 """Checking the op's arguments (SPEC section 2) and choosing its lowering (SPEC section 3).
 
-Every rule broken raises ValueError naming the argument and the rule.
+Every rule broken raises ValueError naming the argument and the rule. The rules on tensors live
+in one place, `problem`, which returns the text (callers decide whether to raise or record it).
 """
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import math
 import numbers
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -72,71 +75,112 @@ def check_lowering(lowering: str) -> str:
 
 
 def check_same_dtype(q, k, v) -> None:
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k and v must have the same dtype (as in SDPA), got q {q.dtype}, "
-                         f"k {k.dtype}, v {v.dtype}")
+    """The custom op's own check (it runs after autocast, which casts the three to one dtype)."""
+    reason = _dtype_problem(q.dtype, k.dtype, v.dtype)
+    if reason:
+        raise ValueError(reason)
 
 
-def check_tensors(q, k, v, *, attn_mask, is_causal: bool, dropout_p: float, enable_gqa: bool,
-                  scale) -> None:
+def _dtype_problem(qd, kd, vd) -> str:
+    if None in (qd, kd, vd) or qd == kd == vd:
+        return ""
+    return f"q, k and v must have the same dtype (as in SDPA), got q {qd}, k {kd}, v {vd}"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the rules read of a tensor argument. The op builds one from a tensor (`of`); the pass
+    builds one from the shapes it recorded for a site, where dtype and device may be unknown
+    (None: the rules that read them are not checked)."""
+    shape: tuple[int, ...]
+    dtype: Optional[torch.dtype] = None
+    device_type: Optional[str] = None
+    requires_grad: bool = False
+
+    @classmethod
+    def of(cls, t: "torch.Tensor | TensorSpec") -> "TensorSpec":
+        if isinstance(t, TensorSpec):
+            return t
+        return cls(tuple(t.shape), t.dtype, t.device.type, bool(t.requires_grad))
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+def problem(q, k, v, attn_mask=None, *, is_causal: bool = False, dropout_p: float = 0.0,
+            enable_gqa: bool = False, scale=None, same_dtype: Optional[bool] = None) -> str:
+    """What is wrong with a call's tensors and numbers (SPEC section 2), "" when nothing: the one
+    rule book that the op (which raises it), the ring (which agrees on it across ranks before any
+    rank raises), the Triton lowering and the pass (which records it as the reason a site is not
+    rewritten) all read. q, k, v and attn_mask are tensors or TensorSpecs.
+
+    same_dtype: whether q, k and v must share a dtype. None (the op): unless autocast is on for
+    q's device, since autocast casts them to one. The pass passes False: it does not know the
+    autocast state the call runs under.
+    """
+    specs = []
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions [B, H, N, D], got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if not _autocast_enabled(q.device.type):  # autocast casts them to one dtype
-        check_same_dtype(q, k, v)
-    if k.shape[2] != q.shape[2]:
-        raise ValueError(
-            f"q and k must have the same length (self-attention): q has {q.shape[2]} positions, "
-            f"k has {k.shape[2]}")
-    if v.shape[2] != k.shape[2]:
-        raise ValueError(f"k and v must have the same length, got {k.shape[2]} and {v.shape[2]}")
-    if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"q, k and v must have the same batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v must have the same number of heads, got {k.shape[1]} and {v.shape[1]}")
-    hq, hkv = q.shape[1], k.shape[1]
+        if not isinstance(t, (torch.Tensor, TensorSpec)):
+            return f"{name} must be a tensor, got {type(t).__name__}"
+        s = TensorSpec.of(t)
+        if s.dim() != 4:
+            return f"{name} must have 4 dimensions [B, H, N, D], got shape {s.shape}"
+        if s.dtype is not None and not s.dtype.is_floating_point:
+            return f"{name} must be a floating-point tensor, got {s.dtype}"
+        specs.append(s)
+    qs, ks, vs = specs
+    if same_dtype is None:
+        same_dtype = not (qs.device_type is not None and _autocast_enabled(qs.device_type))
+    if same_dtype and _dtype_problem(qs.dtype, ks.dtype, vs.dtype):
+        return _dtype_problem(qs.dtype, ks.dtype, vs.dtype)
+    (b, hq, n, d), (bk, hkv, nk, dk), (bv, hv, nv, _) = qs.shape, ks.shape, vs.shape
+    if nk != n:
+        # "different lengths ... not self-attention": the pass reports cross-attention sites so
+        return (f"q and k have different lengths (q has {n} positions, k has {nk}): not "
+                f"self-attention over one sequence, where q and k must have the same length")
+    if nv != nk:
+        return f"k and v must have the same length, got {nk} and {nv}"
+    if not (b == bk == bv):
+        return f"q, k and v must have the same batch size, got {b}, {bk}, {bv}"
+    if d != dk:
+        return f"q and k must have the same head dim, got {d} and {dk}"
+    if hkv != hv:
+        return f"k and v must have the same number of heads, got {hkv} and {hv}"
     if enable_gqa:
         if (hq % hkv if hkv else hq):
-            raise ValueError(
-                f"the number of query heads must be a multiple of the key/value heads (enable_gqa): "
-                f"q has {hq} heads (Hq), k has {hkv} (Hkv); Hq % Hkv != 0")
+            return (f"the number of query heads must be a multiple of the key/value heads "
+                    f"(enable_gqa): q has {hq} heads (Hq), k has {hkv} (Hkv); Hq % Hkv != 0")
     elif hq != hkv:
-        raise ValueError(
-            f"q has {hq} heads and k has {hkv}: pass enable_gqa=True for grouped-query attention "
-            f"(Hq % Hkv must then be 0)")
+        return (f"q has {hq} heads and k has {hkv}: pass enable_gqa=True for grouped-query "
+                f"attention (Hq % Hkv must then be 0)")
     if attn_mask is not None:
         if is_causal:
-            raise ValueError("attn_mask and is_causal cannot both be given (as in SDPA)")
-        if not isinstance(attn_mask, torch.Tensor):
-            raise ValueError(f"attn_mask must be a tensor, got {type(attn_mask).__name__}")
-        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-            raise ValueError(f"attn_mask must be boolean or floating point, got {attn_mask.dtype}")
-        if attn_mask.dim() > 4:
-            raise ValueError(f"attn_mask must have at most 4 dimensions, got {attn_mask.dim()}")
+            return "attn_mask and is_causal cannot both be given (as in SDPA)"
+        if not isinstance(attn_mask, (torch.Tensor, TensorSpec)):
+            return f"attn_mask must be a tensor, got {type(attn_mask).__name__}"
+        m = TensorSpec.of(attn_mask)
+        if m.dtype is not None and m.dtype != torch.bool and not m.dtype.is_floating_point:
+            return f"attn_mask must be boolean or floating point, got {m.dtype}"
+        if m.dim() > 4:
+            return f"attn_mask must have at most 4 dimensions, got {m.dim()}"
         # The mask must broadcast TO the scores' shape, not merely with it: a mask of batch 2
         # against q of batch 1 broadcasts with it (to batch 2) but cannot be expanded to it.
-        n = q.shape[2]
-        target = (q.shape[0], hq, n, n)
+        target = (b, hq, n, n)
         try:
-            fits = tuple(torch.broadcast_shapes(attn_mask.shape, target)) == target
+            fits = tuple(torch.broadcast_shapes(m.shape, target)) == target
         except RuntimeError:
             fits = False
         if not fits:
-            raise ValueError(
-                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
-                f"[B, Hq, N, N] = {target}")
-        if attn_mask.requires_grad:
-            raise ValueError("attn_mask must not require grad: its gradient is not computed")
+            return f"attn_mask of shape {m.shape} does not broadcast to [B, Hq, N, N] = {target}"
+        if m.requires_grad:
+            return ("attn_mask must not require grad: it requires grad (a learned bias, such as "
+                    "T5's relative position bias, in training), and the op does not compute the "
+                    "mask's gradient")
     if not (0.0 <= float(dropout_p) < 1.0):
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+        return f"dropout_p must be in [0, 1), got {dropout_p}"
     if scale is not None and not math.isfinite(float(scale)):
-        raise ValueError(f"scale must be a finite number, got {scale}")
+        return f"scale must be a finite number, got {scale}"
+    return ""
 
 
 def _autocast_enabled(device_type: str) -> bool:

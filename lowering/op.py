@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from . import sdpa_lowering
-from .arguments import (check_branches, check_flags, check_lowering, check_same_dtype, check_tensors,
+from .arguments import (check_branches, check_flags, check_lowering, check_same_dtype, problem,
                         resolve_lowering)
 from .autocast import register_autocast
 from .dropout import new_seed
@@ -134,8 +134,10 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
                                                  enable_gqa=enable_gqa).values()
     segment_lengths, dilation_rates = check_branches(segment_lengths, dilation_rates)
     check_lowering(lowering)
-    check_tensors(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
-                  enable_gqa=enable_gqa, scale=scale)
+    reason = problem(q, k, v, attn_mask, is_causal=is_causal, dropout_p=dropout_p,
+                     enable_gqa=enable_gqa, scale=scale)
+    if reason:
+        raise ValueError(reason)
     scale = 1.0 / math.sqrt(max(q.shape[-1], 1)) if scale is None else float(scale)
     resolved = resolve_lowering(lowering, q.device)
     seed = new_seed(q.device) if dropout_p > 0.0 else None

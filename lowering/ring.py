@@ -65,7 +65,7 @@ from torch import Tensor
 
 from . import block_attention
 from .autocast import register_autocast
-from .arguments import check_branches, check_flags, check_lowering, check_tensors, resolve_lowering
+from .arguments import check_branches, check_flags, check_lowering, problem, resolve_lowering
 from .dropout import keep_mask, new_seed
 from .ring_plan import PeerBlock, RingPlan, plan_bytes, ring_plan, shard_branch_plans
 
@@ -204,7 +204,8 @@ def _config_key(phase, q, k, v, segment_lengths, dilation_rates, hilbert, is_cau
             f"lowering={lowering} device={q.device.type}")
 
 
-def _local_error(q, k, v, segment_lengths, dilation_rates, attn_mask, lowering) -> Optional[str]:
+def _local_error(q, k, v, segment_lengths, dilation_rates, is_causal, attn_mask, dropout_p, scale,
+                 lowering) -> Optional[str]:
     if attn_mask is not None:
         return ("attn_mask is not supported with mesh= (a mask over the whole sequence cannot be "
                 "sharded along it); pass attn_mask=None, or use is_causal for causal masking")
@@ -223,24 +224,17 @@ def _local_error(q, k, v, segment_lengths, dilation_rates, attn_mask, lowering) 
         check_branches(list(segment_lengths), list(dilation_rates))
     except ValueError as e:
         return str(e)
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return "q, k and v must have 4 dimensions [B, H, N/P, D]"
-    if k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
-        return (f"q and k must have the same length (self-attention): q has {q.shape[2]} "
-                f"positions, k has {k.shape[2]}, v has {v.shape[2]}")
-    if q.shape[1] % k.shape[1]:
-        return (f"the number of query heads must be a multiple of the key/value heads: q has "
-                f"{q.shape[1]}, k has {k.shape[1]}")
-    if not (q.dtype == k.dtype == v.dtype):
-        return (f"q, k and v must have the same dtype (as in SDPA), got q {q.dtype}, "
-                f"k {k.dtype}, v {v.dtype}")
-    return None
+    # the op's rule book; the ring's op takes no enable_gqa (Hq % Hkv == 0 is its rule), runs
+    # after autocast (one dtype) and has its mask refused above
+    return problem(q, k, v, None, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=True,
+                   scale=scale, same_dtype=True) or None
 
 
 def _start(phase, group, q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
            dropout_p, seed, scale, lowering) -> Optional[Tensor]:
     """Check locally, agree across ranks; returns the seed every rank uses (rank 0's)."""
-    error = _local_error(q, k, v, segment_lengths, dilation_rates, attn_mask, lowering)
+    error = _local_error(q, k, v, segment_lengths, dilation_rates, is_causal, attn_mask, dropout_p,
+                         scale, lowering)
     key = _config_key(phase, q, k, v, segment_lengths, dilation_rates, hilbert, is_causal,
                       attn_mask, dropout_p, seed, scale, lowering)
     local_seed = int(seed.item()) if seed is not None else 0
@@ -809,8 +803,10 @@ def dilated_attention_on_mesh(q: Tensor, k: Tensor, v: Tensor, segment_lengths, 
                                                      enable_gqa=enable_gqa).values()
         segment_lengths, dilation_rates = check_branches(segment_lengths, dilation_rates)
         check_lowering(lowering)
-        check_tensors(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
-                      enable_gqa=enable_gqa, scale=scale)
+        reason = problem(q, k, v, attn_mask, is_causal=is_causal, dropout_p=dropout_p,
+                         enable_gqa=enable_gqa, scale=scale)
+        if reason:
+            raise ValueError(reason)
     except ValueError as e:
         _agree(_resolve(name), 0, "invalid", 0, str(e))
         raise  # not reached: _agree raises on every rank

@@ -66,6 +66,7 @@ from dataclasses import dataclass
 import torch
 
 from . import gluon_backward, gluon_forward
+from .arguments import problem
 from .dropout import keep_threshold
 from .plans import BranchPlan
 
@@ -122,12 +123,15 @@ def _check_device(q: torch.Tensor) -> bool:
 
 
 def _check_inputs(q, k, v):
+    """The op's rule book (shapes, one dtype, Hq % Hkv == 0; the op checked the mask), then what
+    the kernels alone require."""
+    reason = problem(q, k, v, None, enable_gqa=True, same_dtype=True)
+    if reason:
+        raise ValueError(reason)
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(
             f"lowering='triton' supports float16, bfloat16 and float32; q has dtype {q.dtype} "
             f"(use lowering='sdpa')")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     for name, d in (("q", q.shape[-1]), ("v", v.shape[-1])):
         if d > MAX_HEAD_DIM:
             raise ValueError(
@@ -346,8 +350,6 @@ def _common(q, k, v, attn_mask, dropout_p, seed):
     _check_inputs(q, k, v)
     b, hq, n, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
-    if hq % hkv:
-        raise ValueError(f"Hq % Hkv must be 0, got Hq={hq}, Hkv={hkv}")
     mask, mask_kind, mstrides = _mask_args(attn_mask, b, hq, n, q)
     seed_t, dropout, threshold, drop_scale = _dropout_args(dropout_p, seed, q)
     upcast = interpreted and q.dtype == torch.bfloat16
