@@ -1,7 +1,7 @@
 """The torch.compile backend: find attention, rewrite it, hand the graph on to Inductor."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -103,10 +103,9 @@ class HilbertBackend:
         # find in every graph before rewriting any: a subgraph's masks are read in its caller
         found = [(g, find_sites(g.graph, flows.get(g))) for g in graphs]
         sites = []
-        for g, graph_sites in found:
-            for site in graph_sites:
-                site.module = qualified_name(site.output, names) or site.module
-            sites.extend(rewrite(g, graph_sites, self.config, scoped=scoped, roots=roots))
+        for g, matches in found:
+            matches = [replace(m, module=qualified_name(m.output, names) or m.module) for m in matches]
+            sites.extend(rewrite(g, matches, self.config, scoped=scoped, roots=roots))
         record = GraphRecord(sites, before, graph_code(gm))
         if self.keep_records:
             self.records.append(record)

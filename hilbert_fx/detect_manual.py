@@ -24,12 +24,12 @@ product with another tensor (classifier heads, MoE routers), is not attention an
 One that is attention but cannot be expressed (a softcap, weights returned, a term added to the
 scores that is computed from q or k, such as DeBERTa's content-to-position bias) is reported,
 skipped, with the reason. Nothing is changed in the graph here: canonical nodes are inserted by
-Site.adapt_inputs / adapt_output when the site is rewritten.
+Match.adapt_inputs / adapt_output when the site is rewritten.
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -39,7 +39,7 @@ from .dataflow import DataFlow
 from .detect import FORBIDDEN, MaskTerm, build_mask, mask_shape, resolve_masks
 from .fx_vocab import (arg, example, is_inplace, is_tensor, op_name, same_size, shape_of, target_name,
                        unrepeat_pair)
-from .sites import Site
+from .sites import Match, Shapes
 
 class _Fail(Exception):
     """Why a softmax's scores or probabilities cannot be read. `graph_input`: the reading stopped
@@ -608,7 +608,7 @@ def _content_term(flow: DataFlow, terms: list, q: fx.Node, k: fx.Node) -> Option
     return None
 
 
-def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Site]:
+def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Match]:
     shape = shape_of(softmax)
     if shape is None or len(shape) < 2:
         return None
@@ -621,53 +621,46 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Site]:
         scores = _walk_scores(flow, softmax, src, 1.0)
     except _Fail as fail:
         if fail.graph_input or _looks_like_attention_upstream(flow, src):
-            return Site(kind="manual", output=products[0][0], reason=str(fail))
+            return Match(kind="manual", output=products[0][0], reason=str(fail))
         return None
     spec, ops = _product_operands(scores.product)
     if len(ops) != 2 or not all(is_tensor(o) for o in ops) or not all(
             flow.is_activation(o) for o in ops):
         return None  # scores of a linear layer, not of two activations: not attention
     product, probs, v = products[0]
-    site = Site(kind="manual", output=product)
+    found = Match(kind="manual", output=product)
     if len(products) > 1:
-        site.reason = "the attention probabilities feed more than one product"
-        return site
+        return replace(found, reason="the attention probabilities feed more than one product")
     dim = _softmax_dim(softmax)
     if not isinstance(dim, int) or dim % len(shape) != len(shape) - 1:
-        site.reason = f"the softmax is over dim {dim}, not the keys (the last dimension)"
-        return site
+        return replace(found, reason=f"the softmax is over dim {dim}, not the keys (the last "
+                                     "dimension)")
     try:
         dropout_p, probs_region, probs_heads = _walk_probs(flow, product, probs, softmax)
         q, k, nb, letters = _score_geometry(scores.product, spec, ops)
         vop, out_perm = _value_geometry(product, probs, v, letters, nb)
     except _Fail as fail:
-        site.reason = str(fail)
-        return site
+        return replace(found, reason=str(fail))
     region = scores.region | probs_region | {softmax, product, scores.product}
     escapes = flow.escapes(region, product)
     if escapes:
         inner = escapes[0][0]
         after = flow.order[inner] >= flow.order[softmax]
-        site.reason = ("attention weights are used outside the attention" if after else
-                       "the attention scores are used outside the attention")
-        return site
+        return replace(found, reason=("attention weights are used outside the attention" if after
+                                      else "the attention scores are used outside the attention"))
     content = _content_term(flow, scores.terms, q.node, k.node)
     if content is not None:
         what = "a term added to the scores" if content.kind == "add" else "a mask of the scores"
-        site.reason = (f"{what} is computed from the queries or keys (content-to-position "
-                       f"relative attention, as DeBERTa's c2p / p2c): not a mask, which must "
-                       f"not depend on q or k")
-        return site
+        return replace(found, reason=(
+            f"{what} is computed from the queries or keys (content-to-position relative "
+            f"attention, as DeBERTa's c2p / p2c): not a mask, which must not depend on q or k"))
     view_heads = set(scores.heads) | set(probs_heads)
     if len(view_heads) > 1:
-        site.reason = (f"the views between the scores and v fold different head counts "
-                       f"{sorted(view_heads)}")
-        return site
+        return replace(found, reason=(f"the views between the scores and v fold different head "
+                                      f"counts {sorted(view_heads)}"))
     view_h = next(iter(view_heads), None)
-    site.region = region
-    site.scale = float(scores.factor)
-    site.dropout_p = dropout_p
-    site.q, site.k, site.v = q.node, k.node, vop.node   # for the data-flow proof
+    found = replace(found, region=frozenset(region), scale=float(scores.factor),
+                    dropout_p=dropout_p, q=q.node, k=k.node, v=vop.node)  # for the data-flow proof
 
     qs, ks, vs = q.shape(), k.shape(), vop.shape()
     heads = None
@@ -677,12 +670,10 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Site]:
                  or _heads_upstream(k.node, bh, ks[1], ks[2])
                  or _heads_upstream(vop.node, bh, vs[1], vs[2]) or _heads_downstream(product, bh))
         if heads is None:
-            site.reason = ("the heads are folded into the batch ([B*H, N, D]) and no reshape "
-                           "tells how many there are")
-            return site
+            return replace(found, reason=("the heads are folded into the batch ([B*H, N, D]) and "
+                                          "no reshape tells how many there are"))
         if ks[0] != bh or vs[0] != bh:
-            site.reason = "folded q, k and v do not have the same batch"
-            return site
+            return replace(found, reason="folded q, k and v do not have the same batch")
         qs, ks, vs = ((bh // heads, heads) + s[1:] for s in (qs, ks, vs))
     else:
         # GQA: keys and values repeated to the query heads (repeat_kv) go to the op as they were
@@ -692,21 +683,19 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Site]:
             if rep > 1:
                 k, vop = _Operand(k0), _Operand(v0)
                 ks, vs = k.shape(), vop.shape()
-                site.k, site.v = k0, v0
-    site.enable_gqa = len(qs) == 4 and len(ks) == 4 and qs[1] != ks[1]
 
     n = qs[2] if len(qs) == 4 else None
     is_causal, kept = resolve_masks(flow, scores.terms, n) if n is not None else (False, scores.terms)
-    site.is_causal = is_causal
     # Masks met where the scores are [B*H, i, j] are unfolded by the head count. Where they are
     # [B, H, i, j] a 3-D mask broadcasts as [1 or H, i, j], which the same unfold reads right.
     mask_heads = heads if heads is not None else view_h
-    site.shapes = {"q": qs, "k": ks, "v": vs, "mask": mask_shape(kept, mask_heads)}
+    shapes = Shapes(qs, ks, vs, mask_shape(kept, mask_heads))
     simple_mask = not kept or (len(kept) == 1 and mask_heads is None and (
         (kept[0].kind == "allow" and getattr(example(kept[0].node), "dtype", None) == torch.bool)
         or (kept[0].kind == "add" and kept[0].factor == 1.0)))
+    attn_mask, adapt_inputs, adapt_output = None, None, None
     if q.plain and k.plain and vop.plain and heads is None and simple_mask and not scores.runtime:
-        site.attn_mask = kept[0].node if kept else None
+        attn_mask = kept[0].node if kept else None
     else:
         def adapt_inputs(graph: fx.Graph, q=q, k=k, vop=vop, heads=heads, kept=kept,
                          runtime=tuple(scores.runtime), mask_heads=mask_heads):
@@ -717,8 +706,6 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Site]:
             if heads is not None:
                 nodes = [graph.call_method("unflatten", (x, 0, (-1, heads))) for x in nodes]
             return (*nodes, build_mask(graph, kept, mask_heads))
-        site.adapt_inputs = adapt_inputs
-        site.attn_mask = None
 
     if heads is not None or out_perm is not None:
         def adapt_output(graph: fx.Graph, out: fx.Node, heads=heads, out_perm=out_perm):
@@ -727,11 +714,12 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Site]:
             if out_perm is not None:
                 out = graph.call_method("permute", (out, *out_perm))
             return out
-        site.adapt_output = adapt_output
-    return site
+    return replace(found, k=k.node, v=vop.node, attn_mask=attn_mask, is_causal=is_causal,
+                   enable_gqa=len(qs) == 4 and len(ks) == 4 and qs[1] != ks[1], shapes=shapes,
+                   adapt_inputs=adapt_inputs, adapt_output=adapt_output)
 
 
-def find_manual_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list:
+def find_manual_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list[Match]:
     sites = []
     for node in graph.nodes:
         if op_name(node) != "softmax":

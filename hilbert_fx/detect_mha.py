@@ -4,9 +4,9 @@ Dynamo keeps nn.MultiheadAttention as one call of F.multi_head_attention_forward
 first, [N, B, E]); in eval under no_grad, nn.TransformerEncoderLayer runs as one call of
 torch._transformer_encoder_layer_fwd (the whole layer: attention, residuals, norms, feed-forward)
 and nn.MultiheadAttention may run as torch._native_multi_head_attention (both batch first). Each
-becomes a site whose q, k, v are the in-projections of the call's inputs (Site.adapt_inputs) and
+becomes a site whose q, k, v are the in-projections of the call's inputs (Match.adapt_inputs) and
 whose output is rebuilt around the op (out-projection, and for the fused layer the rest of the
-layer: Site.adapt_output), all with the call's own weights. Masks follow nn.MultiheadAttention's
+layer: Match.adapt_output), all with the call's own weights. Masks follow nn.MultiheadAttention's
 conventions: a boolean mask is True where attention is NOT allowed, a float mask is added;
 key_padding_mask [B, N] masks keys per batch.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import math
 import operator
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from .dataflow import DataFlow
 from .detect import MaskTerm, build_mask, mask_shape, resolve_masks
 from .fx_vocab import example, shape_of
-from .sites import Site
+from .sites import Match, Shapes
 
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 _ENCODER_LAYER = getattr(torch, "_transformer_encoder_layer_fwd", None)
@@ -136,30 +137,27 @@ def _merge_mask_shapes(a, b):
     return shape, dtype, a[2] or b[2]
 
 
-def _masks(site: Site, flow: DataFlow, attn_mask, kpm, n: int, heads: int, is_causal_hint: bool):
-    """Sets site.is_causal and returns (attn_mask terms to carry, key_padding_mask or None)."""
+def _masks(flow: DataFlow, attn_mask, kpm, n: int, heads: int, is_causal_hint: bool):
+    """(is_causal, attn_mask terms to carry, key_padding_mask or None, the op's mask shape)."""
     terms = [t for t in [_mask_term(attn_mask)] if t is not None]
     if is_causal_hint and kpm is None:
-        site.is_causal = True  # nn.MultiheadAttention's is_causal: attn_mask is the causal mask
-        return [], None
+        return True, [], None, None  # nn.MultiheadAttention's is_causal: attn_mask is the causal mask
     is_causal, kept = resolve_masks(flow, terms, n)
     if is_causal and kpm is not None:
-        kept = terms  # the op takes is_causal or a mask, not both: keep the triangle
-    else:
-        site.is_causal = is_causal
-    site.shapes["mask"] = _merge_mask_shapes(mask_shape(kept, heads),
-                                             _padding_shape(kpm) if kpm is not None else None)
-    return kept, kpm
+        is_causal, kept = False, terms  # the op takes is_causal or a mask, not both: keep the triangle
+    mask = _merge_mask_shapes(mask_shape(kept, heads), _padding_shape(kpm) if kpm is not None else None)
+    return is_causal, kept, kpm, mask
 
 
-def _attach(site: Site, kept, kpm, heads, inputs_fn, batch_first_mask_heads=None):
+def _adapt_inputs(kept, kpm, heads, inputs_fn):
+    """Match.adapt_inputs: the in-projections (inputs_fn) and the one mask the terms make."""
     def adapt_inputs(graph: fx.Graph):
         q, k, v = inputs_fn(graph)
         terms = list(kept)
         if kpm is not None:
             terms.append(_padding_term(graph, kpm))
         return q, k, v, build_mask(graph, terms, heads)
-    site.adapt_inputs = adapt_inputs
+    return adapt_inputs
 
 
 def _qkv_nodes(graph: fx.Graph, fn, args) -> tuple:
@@ -180,7 +178,7 @@ def _outputs(node: fx.Node) -> tuple[Optional[fx.Node], bool]:
     return out, weights_used
 
 
-def _mha_forward(node: fx.Node, flow: DataFlow) -> Optional[Site]:
+def _mha_forward(node: fx.Node, flow: DataFlow) -> Optional[Match]:
     try:
         bound = _MHA_SIGNATURE.bind(*node.args, **node.kwargs)
     except TypeError:
@@ -190,43 +188,42 @@ def _mha_forward(node: fx.Node, flow: DataFlow) -> Optional[Site]:
     out, weights_used = _outputs(node)
     if out is None:
         return None
-    site = Site(kind="mha", output=out, q=a["query"], k=a["key"], v=a["value"])
-    site.region = {node, out}
+    found = Match(kind="mha", output=out, q=a["query"], k=a["key"], v=a["value"],
+                  region=frozenset({node, out}))
     for name in ("num_heads", "add_zero_attn", "dropout_p", "training", "need_weights",
                  "use_separate_proj_weight", "is_causal"):
         if isinstance(a[name], fx.Node):
-            site.reason = f"{name} is computed at run time; it must be a constant"
-            return site
+            return replace(found, reason=f"{name} is computed at run time; it must be a constant")
+    reason = ""
     if weights_used:
-        site.reason = "attention weights are used outside the attention (need_weights=True)"
+        reason = "attention weights are used outside the attention (need_weights=True)"
     elif a["bias_k"] is not None or a["bias_v"] is not None:
-        site.reason = "bias_k/bias_v add a learned key and value that no position of the sequence has"
+        reason = "bias_k/bias_v add a learned key and value that no position of the sequence has"
     elif a["add_zero_attn"]:
-        site.reason = "add_zero_attn adds a zero key and value that no position of the sequence has"
+        reason = "add_zero_attn adds a zero key and value that no position of the sequence has"
     elif a["static_k"] is not None or a["static_v"] is not None:
-        site.reason = "static_k/static_v: keys and values are given from outside"
-    if site.reason:
-        return site
+        reason = "static_k/static_v: keys and values are given from outside"
+    if reason:
+        return replace(found, reason=reason)
     qs, ks, vs = shape_of(a["query"]), shape_of(a["key"]), shape_of(a["value"])
     if qs is None or len(qs) != 3 or ks is None or len(ks) != 3 or vs is None or len(vs) != 3:
-        site.reason = "unbatched input to nn.MultiheadAttention"
-        return site
+        return replace(found, reason="unbatched input to nn.MultiheadAttention")
     heads, e = a["num_heads"], qs[2]
     d = e // heads
     n, b = qs[0], qs[1]
-    site.shapes = {"q": (b, heads, n, d), "k": (ks[1], heads, ks[0], d),
-                   "v": (vs[1], heads, vs[0], d), "mask": None}
-    site.scale = 1.0 / math.sqrt(d)
-    site.dropout_p = float(a["dropout_p"]) if a["training"] else 0.0
-    kept, kpm = _masks(site, flow, a["attn_mask"], a["key_padding_mask"], n, heads, a["is_causal"])
-    separate = bool(a["use_separate_proj_weight"])
+    is_causal, kept, kpm, mask = _masks(flow, a["attn_mask"], a["key_padding_mask"], n, heads,
+                                        a["is_causal"])
     args = (a["query"], a["key"], a["value"], heads, False, a["in_proj_weight"], a["in_proj_bias"])
-    if separate:
+    if a["use_separate_proj_weight"]:
         args += (a["q_proj_weight"], a["k_proj_weight"], a["v_proj_weight"])
-    _attach(site, kept, kpm, heads, lambda graph: _qkv_nodes(graph, mha_in_projection, args))
     weight, bias = a["out_proj_weight"], a["out_proj_bias"]
-    site.adapt_output = lambda graph, o: graph.call_function(mha_out_projection, (o, weight, bias, False))
-    return site
+    return replace(
+        found, is_causal=is_causal, scale=1.0 / math.sqrt(d),
+        dropout_p=float(a["dropout_p"]) if a["training"] else 0.0,
+        shapes=Shapes((b, heads, n, d), (ks[1], heads, ks[0], d), (vs[1], heads, vs[0], d), mask),
+        adapt_inputs=_adapt_inputs(kept, kpm, heads,
+                                   lambda graph: _qkv_nodes(graph, mha_in_projection, args)),
+        adapt_output=lambda graph, o: graph.call_function(mha_out_projection, (o, weight, bias, False)))
 
 
 def _mask_by_type(mask, mask_type, heads):
@@ -238,40 +235,38 @@ def _mask_by_type(mask, mask_type, heads):
     return mask, None
 
 
-def _encoder_layer(node: fx.Node, flow: DataFlow) -> Optional[Site]:
+def _encoder_layer(node: fx.Node, flow: DataFlow) -> Optional[Match]:
     a = dict(zip(_ENCODER_ARGS, node.args))
     a.update(node.kwargs)
     a.setdefault("mask", None)
     a.setdefault("mask_type", None)
     src = a["src"]
-    site = Site(kind="mha", output=node, q=src, k=src, v=src)
-    site.region = {node}
+    found = Match(kind="mha", output=node, q=src, k=src, v=src, region=frozenset({node}))
     for name in ("num_heads", "use_gelu", "norm_first", "eps", "mask_type"):
         if isinstance(a[name], fx.Node):
-            site.reason = f"{name} is computed at run time; it must be a constant"
-            return site
+            return replace(found, reason=f"{name} is computed at run time; it must be a constant")
     shape = shape_of(src)
     if shape is None or len(shape) != 3:
-        site.reason = "the fused encoder layer's input is not [B, N, E]"
-        return site
+        return replace(found, reason="the fused encoder layer's input is not [B, N, E]")
     b, n, e = shape
     heads = a["num_heads"]
     d = e // heads
-    site.shapes = {"q": (b, heads, n, d), "k": (b, heads, n, d), "v": (b, heads, n, d), "mask": None}
-    site.scale = 1.0 / math.sqrt(d)
     attn_mask, kpm = _mask_by_type(a["mask"], a["mask_type"], heads)
-    kept, kpm = _masks(site, flow, attn_mask, kpm, n, heads, False)
+    is_causal, kept, kpm, mask = _masks(flow, attn_mask, kpm, n, heads, False)
     qkv = (src, heads, a["qkv_weight"], a["qkv_bias"], a["norm_first"], a["eps"],
            a["norm_weight_1"], a["norm_bias_1"])
-    _attach(site, kept, kpm, heads, lambda graph: _qkv_nodes(graph, encoder_layer_qkv, qkv))
     rest = (src, a["proj_weight"], a["proj_bias"], a["use_gelu"], a["norm_first"], a["eps"],
             a["norm_weight_1"], a["norm_bias_1"], a["norm_weight_2"], a["norm_bias_2"],
             a["ffn_weight_1"], a["ffn_bias_1"], a["ffn_weight_2"], a["ffn_bias_2"])
-    site.adapt_output = lambda graph, o: graph.call_function(encoder_layer_rest, (o,) + rest)
-    return site
+    return replace(
+        found, is_causal=is_causal, scale=1.0 / math.sqrt(d),
+        shapes=Shapes((b, heads, n, d), (b, heads, n, d), (b, heads, n, d), mask),
+        adapt_inputs=_adapt_inputs(kept, kpm, heads,
+                                   lambda graph: _qkv_nodes(graph, encoder_layer_qkv, qkv)),
+        adapt_output=lambda graph, o: graph.call_function(encoder_layer_rest, (o,) + rest))
 
 
-def _native_mha(node: fx.Node, flow: DataFlow) -> Optional[Site]:
+def _native_mha(node: fx.Node, flow: DataFlow) -> Optional[Match]:
     a = dict(zip(_NATIVE_ARGS, node.args))
     a.update(node.kwargs)
     for key, default in (("mask", None), ("need_weights", True), ("mask_type", None)):
@@ -279,31 +274,29 @@ def _native_mha(node: fx.Node, flow: DataFlow) -> Optional[Site]:
     out, weights_used = _outputs(node)
     if out is None:
         return None
-    site = Site(kind="mha", output=out, q=a["query"], k=a["key"], v=a["value"])
-    site.region = {node, out}
+    found = Match(kind="mha", output=out, q=a["query"], k=a["key"], v=a["value"],
+                  region=frozenset({node, out}))
     if weights_used:
-        site.reason = "attention weights are used outside the attention (need_weights=True)"
-        return site
+        return replace(found, reason="attention weights are used outside the attention (need_weights=True)")
     qs, ks, vs = shape_of(a["query"]), shape_of(a["key"]), shape_of(a["value"])
     if qs is None or len(qs) != 3 or ks is None or len(ks) != 3 or vs is None or len(vs) != 3:
-        site.reason = "unbatched input to nn.MultiheadAttention"
-        return site
+        return replace(found, reason="unbatched input to nn.MultiheadAttention")
     heads = a["num_head"]
     b, n, e = qs
     d = e // heads
-    site.shapes = {"q": (b, heads, n, d), "k": (ks[0], heads, ks[1], d),
-                   "v": (vs[0], heads, vs[1], d), "mask": None}
-    site.scale = 1.0 / math.sqrt(d)
     attn_mask, kpm = _mask_by_type(a["mask"], a["mask_type"], heads)
-    kept, kpm = _masks(site, flow, attn_mask, kpm, n, heads, False)
+    is_causal, kept, kpm, mask = _masks(flow, attn_mask, kpm, n, heads, False)
     args = (a["query"], a["key"], a["value"], heads, True, a["qkv_weight"], a["qkv_bias"])
-    _attach(site, kept, kpm, heads, lambda graph: _qkv_nodes(graph, mha_in_projection, args))
     weight, bias = a["proj_weight"], a["proj_bias"]
-    site.adapt_output = lambda graph, o: graph.call_function(mha_out_projection, (o, weight, bias, True))
-    return site
+    return replace(
+        found, is_causal=is_causal, scale=1.0 / math.sqrt(d),
+        shapes=Shapes((b, heads, n, d), (ks[0], heads, ks[1], d), (vs[0], heads, vs[1], d), mask),
+        adapt_inputs=_adapt_inputs(kept, kpm, heads,
+                                   lambda graph: _qkv_nodes(graph, mha_in_projection, args)),
+        adapt_output=lambda graph, o: graph.call_function(mha_out_projection, (o, weight, bias, True)))
 
 
-def find_mha_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list:
+def find_mha_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list[Match]:
     sites = []
     for node in graph.nodes:
         if node.op != "call_function":

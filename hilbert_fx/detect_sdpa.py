@@ -11,48 +11,49 @@ import torch.fx as fx
 from .dataflow import DataFlow
 from .detect import MaskTerm, resolve_masks
 from .fx_vocab import SDPA_TARGETS, arg, example, unrepeat_pair
-from .sites import Site
+from .sites import Match
 
 
-def find_sdpa_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list[Site]:
-    sites = []
+def find_sdpa_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list[Match]:
+    matches = []
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in SDPA_TARGETS:
             continue
         flow = flow or DataFlow(graph)
-        site = Site(kind="sdpa", output=node, q=arg(node, 0, "query"), k=arg(node, 1, "key"),
-                    v=arg(node, 2, "value"), attn_mask=arg(node, 3, "attn_mask"),
-                    dropout_p=arg(node, 4, "dropout_p", 0.0), is_causal=arg(node, 5, "is_causal", False),
-                    scale=arg(node, 6, "scale"), enable_gqa=arg(node, 7, "enable_gqa", False))
-        site.region = {node}
+        q, k, v = arg(node, 0, "query"), arg(node, 1, "key"), arg(node, 2, "value")
+        attn_mask, dropout_p = arg(node, 3, "attn_mask"), arg(node, 4, "dropout_p", 0.0)
+        is_causal, scale = arg(node, 5, "is_causal", False), arg(node, 6, "scale")
+        enable_gqa = arg(node, 7, "enable_gqa", False)
         runtime_scale = None
-        if isinstance(site.scale, fx.Node) and isinstance(example(site.scale), (float, torch.SymFloat)):
+        if isinstance(scale, fx.Node) and isinstance(example(scale), (float, torch.SymFloat)):
             # a float attribute made dynamic (dynamic=True): scale q by it, the op by 1
-            runtime_scale, site.scale = site.scale, 1.0
-        for name in ("dropout_p", "is_causal", "scale", "enable_gqa"):
-            if isinstance(getattr(site, name), fx.Node):
-                site.reason = f"{name} is computed at run time; it must be a constant"
-        if site.reason:
-            sites.append(site)
-            continue
-        k, v, rep = unrepeat_pair(site.k, site.v)
-        if rep > 1:  # repeat_kv before SDPA: hand the op the key/value heads themselves
-            site.k, site.v, site.enable_gqa = k, v, True
-        mask = site.attn_mask
-        q = example(site.q)
-        if isinstance(mask, fx.Node) and not site.is_causal and isinstance(q, torch.Tensor) and q.dim() == 4:
-            ex = example(mask)
-            kind = "allow" if getattr(ex, "dtype", None) == torch.bool else "add"
-            is_causal, kept = resolve_masks(flow, [MaskTerm(mask, kind)], q.shape[2])
-            if not kept:
-                site.attn_mask, site.is_causal = None, is_causal
-        if runtime_scale is not None:
-            def adapt_inputs(graph, site=site, scale=runtime_scale):
-                q = graph.call_function(operator.mul, (site.q, scale))
-                return q, site.k, site.v, site.attn_mask
-            site.adapt_inputs = adapt_inputs
-        sites.append(site)
-    return sites
+            runtime_scale, scale = scale, 1.0
+        reason = ""
+        for name, value in (("dropout_p", dropout_p), ("is_causal", is_causal), ("scale", scale),
+                            ("enable_gqa", enable_gqa)):
+            if isinstance(value, fx.Node):
+                reason = f"{name} is computed at run time; it must be a constant"
+        if not reason:
+            k0, v0, rep = unrepeat_pair(k, v)
+            if rep > 1:  # repeat_kv before SDPA: hand the op the key/value heads themselves
+                k, v, enable_gqa = k0, v0, True
+            qex = example(q)
+            if (isinstance(attn_mask, fx.Node) and not is_causal and isinstance(qex, torch.Tensor)
+                    and qex.dim() == 4):
+                ex = example(attn_mask)
+                kind = "allow" if getattr(ex, "dtype", None) == torch.bool else "add"
+                causal, kept = resolve_masks(flow, [MaskTerm(attn_mask, kind)], qex.shape[2])
+                if not kept:
+                    attn_mask, is_causal = None, causal
+        adapt_inputs = None
+        if runtime_scale is not None and not reason:
+            def adapt_inputs(graph, q=q, k=k, v=v, attn_mask=attn_mask, scale=runtime_scale):
+                return graph.call_function(operator.mul, (q, scale)), k, v, attn_mask
+        matches.append(Match(kind="sdpa", output=node, q=q, k=k, v=v, attn_mask=attn_mask,
+                             is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                             enable_gqa=enable_gqa, adapt_inputs=adapt_inputs,
+                             region=frozenset({node}), reason=reason))
+    return matches
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,8 +64,8 @@ FLEX_REASON = ("FlexAttention: the pass does not read its score_mod / mask_mod, 
                "prove the pattern; left as it is")
 
 
-def find_flex_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list[Site]:
+def find_flex_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list[Match]:
     flex = getattr(torch.ops.higher_order, "flex_attention", None)
-    return [Site(kind="flex", output=node, q=node.args[0], k=node.args[1], v=node.args[2],
-                 reason=FLEX_REASON, region={node})
+    return [Match(kind="flex", output=node, q=node.args[0], k=node.args[1], v=node.args[2],
+                  reason=FLEX_REASON, region=frozenset({node}))
             for node in graph.nodes if node.op == "call_function" and node.target is flex]

@@ -7,10 +7,11 @@ shapes of what they found and proves, from data flow, which sites are self-atten
 - "flex":   FlexAttention, reported and left as it is                        (detect_sdpa.py)
 
 The finders share the FX vocabulary (fx_vocab.py) and the masks (detect.py); a new finder is one
-function (graph, flow) -> list of Sites, added to FINDERS.
+function (graph, flow) -> list of Matches (sites.py), added to FINDERS.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -21,15 +22,14 @@ from .detect_manual import find_manual_sites
 from .detect_mha import find_mha_sites
 from .detect_sdpa import find_flex_sites, find_sdpa_sites
 from .fx_vocab import example
-from .sites import Site, module_stack
+from .sites import Match, module_stack
 
 FINDERS = (find_sdpa_sites, find_mha_sites, find_manual_sites, find_flex_sites)
 
 
-def _check_shapes(site: Site) -> str:
+def _check_shapes(site: Match) -> str:
     if site.shapes is not None:
-        qs, ks, vs = site.shapes["q"], site.shapes["k"], site.shapes["v"]
-        mask = site.shapes.get("mask")
+        qs, ks, vs, mask = site.shapes.q, site.shapes.k, site.shapes.v, site.shapes.mask
     else:
         q, k, v = example(site.q), example(site.k), example(site.v)
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
@@ -74,24 +74,31 @@ def _check_shapes(site: Site) -> str:
     return ""
 
 
-def find_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list[Site]:
+def _complete(match: Match, flow: DataFlow) -> Match:
+    """The finder's match with where it is, and why it is not rewritable if it is not: its
+    shapes do not fit one attention, or keys and values are not from the queries' sequence."""
+    module, module_types = module_stack(match.output)
+    match = replace(match, module=module, module_types=tuple(module_types))
+    if match.reason:
+        return match
+    reason = _check_shapes(match)
+    if not reason:
+        _, reason = flow.common_source([match.q, match.k, match.v])
+    if reason:
+        return replace(match, reason=reason)
+    if match.enable_gqa is False and match.shapes is None:
+        qs, ks = example(match.q).shape, example(match.k).shape
+        return replace(match, enable_gqa=qs[1] != ks[1])
+    return match
+
+
+def find_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list[Match]:
     """Every attention site of the graph, with `reason` set for those that are not rewritable.
     `flow`: the graph's DataFlow, when the caller made it (a subgraph's knows its callers)."""
     flow = flow if flow is not None else DataFlow(graph)
-    sites: list[Site] = []
-    for finder in FINDERS:
-        sites.extend(finder(graph, flow))
-    for site in sites:
-        site.module, site.module_types = module_stack(site.output)
-        if site.reason:
-            continue
-        site.reason = _check_shapes(site)
-        if not site.reason:
-            _, site.reason = flow.common_source([site.q, site.k, site.v])
-        if not site.reason and site.enable_gqa is False and site.shapes is None:
-            qs, ks = example(site.q).shape, example(site.k).shape
-            site.enable_gqa = qs[1] != ks[1]
-    sites.sort(key=lambda s: flow.order[s.output])
-    return sites
+    found = [match for finder in FINDERS for match in finder(graph, flow)]
+    matches = [_complete(match, flow) for match in found]
+    matches.sort(key=lambda m: flow.order[m.output])
+    return matches
 
 

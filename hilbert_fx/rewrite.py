@@ -20,7 +20,7 @@ from .config import DilatedConfig
 from .fx_vocab import example, is_inplace
 from .logs import log, log_site
 from .scope import compiled_roots, config_of
-from .sites import Site
+from .sites import Decision, Match, Site
 
 OP = torch.ops.hilbert_fx.dilated_attention.default
 
@@ -36,38 +36,43 @@ def graph_is_scoped(graph: fx.Graph, roots) -> bool:
     return False
 
 
-def site_config(site: Site, default: DilatedConfig, scoped: bool) -> Optional[DilatedConfig]:
+def site_config(module_types, default: DilatedConfig, scoped: bool) -> Optional[DilatedConfig]:
+    """The configuration of a site inside `module_types` (outermost first), None if none."""
     if not scoped:
         return default
-    for module_type in reversed(site.module_types):
+    for module_type in reversed(module_types):
         config = config_of(module_type)
         if config is not None:
             return config
     return None
 
 
-def mesh_reason(site: Site, config: DilatedConfig) -> str:
+def mesh_reason(match: Match, config: DilatedConfig) -> str:
     """Why a site cannot take the ring op of config's mesh ("" when it can): the ring op takes
     no attn_mask (a mask over the whole sequence cannot be sharded along it)."""
     if config.mesh is None:
         return ""
-    if site.attn_mask is not None or (getattr(site, "shapes", None) or {}).get("mask") is not None:
+    if match.attn_mask is not None or (match.shapes is not None and match.shapes.mask is not None):
         return "attn_mask with mesh=: the ring op over a device mesh takes no mask"
     return ""
 
 
-def rewrite_site(graph: fx.Graph, site: Site, config: DilatedConfig) -> fx.Node:
-    q = example(site.q)
+def rewrite_site(graph: fx.Graph, match: Match, config: DilatedConfig) -> Decision:
+    """Replace the match's output by the op (or the ring op of config's mesh)."""
+    q = example(match.q)
     lowering = resolve_lowering(config.lowering, q.device)
-    scale = site.scale if site.scale is not None else 1.0 / math.sqrt(max(q.shape[-1], 1))
-    with graph.inserting_before(site.output):
-        if site.adapt_inputs is not None:  # canonical q, k, v, mask of mha / manual sites
-            site.q, site.k, site.v, site.attn_mask = site.adapt_inputs(graph)
+    scale = match.scale if match.scale is not None else 1.0 / math.sqrt(max(q.shape[-1], 1))
+    with graph.inserting_before(match.output):
+        if match.adapt_inputs is not None:  # canonical q, k, v, mask of mha / manual sites
+            inputs = match.adapt_inputs(graph)
+        else:
+            inputs = (match.q, match.k, match.v, match.attn_mask)
         seed = None
-        if site.dropout_p > 0.0:
+        if match.dropout_p > 0.0:
             seed = graph.call_function(new_seed, (q.device,))
-        args = (site.q, site.k, site.v, list(config.segment_lengths), list(config.dilation_rates),
-                config.hilbert, bool(site.is_causal), site.attn_mask, float(site.dropout_p), seed,
+        q_node, k_node, v_node, mask_node = inputs
+        args = (q_node, k_node, v_node, list(config.segment_lengths), list(config.dilation_rates),
+                config.hilbert, bool(match.is_causal), mask_node, float(match.dropout_p), seed,
                 float(scale), lowering)
         if config.mesh is None:
             call = graph.call_function(OP, args)
@@ -77,12 +82,11 @@ def rewrite_site(graph: fx.Graph, site: Site, config: DilatedConfig) -> fx.Node:
             call = graph.call_function(torch.ops.hilbert_fx.ring_dilated_attention.default,
                                        args + (group_name,))
         out = graph.call_function(operator.getitem, (call, 0))
-        if site.adapt_output is not None:
-            out = site.adapt_output(graph, out)
-    site.output.replace_all_uses_with(out)
-    graph.erase_node(site.output)
-    site.action, site.reason, site.lowering, site.config = "rewritten", "", lowering, config
-    return out
+        if match.adapt_output is not None:
+            out = match.adapt_output(graph, out)
+    match.output.replace_all_uses_with(out)
+    graph.erase_node(match.output)
+    return Decision("rewritten", "", lowering, config, inputs)
 
 
 def remove_dead(graph: fx.Graph, freed: list, regions: set) -> None:
@@ -109,29 +113,32 @@ def remove_dead(graph: fx.Graph, freed: list, regions: set) -> None:
             work.extend(inputs)
 
 
-def rewrite(gm: fx.GraphModule, sites: list[Site], default: DilatedConfig, *,
+def rewrite(gm: fx.GraphModule, matches: list[Match], default: DilatedConfig, *,
             scoped: Optional[bool] = None, roots=None) -> list[Site]:
-    """Rewrite what may be rewritten, mark the rest skipped; returns the sites. `scoped`: does
-    any module of the compiled model carry `dilate` (decided once for a graph and its
-    subgraphs)."""
+    """Rewrite what may be rewritten, skip the rest; returns each match with its decision.
+    `scoped`: does any module of the compiled model carry `dilate` (decided once for a graph and
+    its subgraphs)."""
     roots = compiled_roots() if roots is None else roots
     scoped = graph_is_scoped(gm.graph, roots) if scoped is None else scoped
     freed = []
+    decisions: dict[int, Decision] = {}
     # Last site first: a site's inputs may be an earlier site's output, which that site's rewrite
     # then replaces everywhere, in the nodes inserted for the later site included.
-    for site in reversed(sites):
-        site.module_types = [type(m) for m in roots] + list(site.module_types)
-        if not site.reason:
-            config = site_config(site, default, scoped)
+    for i in reversed(range(len(matches))):
+        match = matches[i]
+        reason = match.reason
+        if not reason:
+            config = site_config([type(m) for m in roots] + list(match.module_types), default, scoped)
             if config is None:
-                site.reason = "outside every module marked with hilbert_fx.dilate"
-            elif mesh_reason(site, config):
-                site.reason = mesh_reason(site, config)
+                reason = "outside every module marked with hilbert_fx.dilate"
             else:
-                freed.extend(site.output.all_input_nodes)
-                rewrite_site(gm.graph, site, config)
+                reason = mesh_reason(match, config)
+            if not reason:
+                freed.extend(match.output.all_input_nodes)
+                decisions[i] = rewrite_site(gm.graph, match, config)
                 continue
-        site.action = "skipped"
+        decisions[i] = Decision("skipped", reason)
+    sites = [Site(match, decisions[i]) for i, match in enumerate(matches)]
     if any(s.action == "rewritten" for s in sites):
         remove_dead(gm.graph, freed, set().union(*(s.region for s in sites if s.action == "rewritten")))
         gm.graph.lint()
