@@ -1,7 +1,8 @@
 """Checking the op's arguments (SPEC section 2) and choosing its lowering (SPEC section 3).
 
-Every rule broken raises ValueError naming the argument and the rule. The rules on tensors live
-in one place, `problem`, which returns the text (callers decide whether to raise or record it).
+A broken rule is reported by a message naming the argument and the rule. The rules on tensors
+live in one place, `problem`, which returns that message: the op and the ring raise it as
+ValueError, the pass records it as the reason a site is not rewritten. The others raise it.
 """
 from __future__ import annotations
 
