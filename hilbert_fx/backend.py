@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from .config import DEFAULT_DILATION_RATES, DEFAULT_SEGMENT_LENGTHS, DilatedConfig
+from .dataflow import DataFlow
 from .find import find_sites
 from .rewrite import graph_is_scoped, rewrite
 from .scope import compiled_roots, module_names
@@ -50,7 +51,6 @@ def caller_inputs(gm: fx.GraphModule, flows: dict) -> dict:
     """For each subgraph that a higher-order op of `gm` calls with its operands in order after
     the body (torch.utils.checkpoint's regions, nested compile regions), its placeholders ->
     (gm's DataFlow, the operand passed in)."""
-    from .dataflow import DataFlow
     flow = flows.setdefault(gm, DataFlow(gm.graph))
     for node in gm.graph.nodes:
         sub = called_graph(gm, node)
