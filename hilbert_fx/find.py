@@ -22,56 +22,31 @@ from .detect_manual import find_manual_sites
 from .detect_mha import find_mha_sites
 from .detect_sdpa import find_flex_sites, find_sdpa_sites
 from .fx_vocab import example
+from .lowering.arguments import TensorSpec, problem
 from .sites import Match, module_stack
 
 FINDERS = (find_sdpa_sites, find_mha_sites, find_manual_sites, find_flex_sites)
 
 
 def _check_shapes(site: Match) -> str:
+    """The op's rule book (lowering.arguments.problem) on what the pass sees of the site: the
+    shapes a finder recorded when it rebuilds q, k, v (no dtypes then), or the example tensors."""
     if site.shapes is not None:
-        qs, ks, vs, mask = site.shapes.q, site.shapes.k, site.shapes.v, site.shapes.mask
+        q, k, v = (TensorSpec(tuple(s)) for s in (site.shapes.q, site.shapes.k, site.shapes.v))
+        recorded = site.shapes.mask
+        mask = None if recorded is None else TensorSpec(
+            tuple(recorded[0]), recorded[1], requires_grad=bool(recorded[2]))
     else:
         q, k, v = example(site.q), example(site.k), example(site.v)
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
             return "q, k and v are not tensors the pass can see"
-        qs, ks, vs = tuple(q.shape), tuple(k.shape), tuple(v.shape)
-        m = example(site.attn_mask)
-        if site.attn_mask is not None and not isinstance(m, torch.Tensor):
+        mask = example(site.attn_mask)
+        if site.attn_mask is not None and not isinstance(mask, torch.Tensor):
             return "attn_mask is not a tensor the pass can see"
-        mask = None if m is None else (tuple(m.shape), m.dtype, bool(m.requires_grad))
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not t.is_floating_point():
-                return f"{name} is not a floating-point tensor ({t.dtype})"
-    if not (len(qs) == len(ks) == len(vs) == 4):
-        return f"q, k, v are not 4-D [B, H, N, D] (q has shape {qs})"
-    if qs[2] != ks[2]:
-        return (f"q and k have different lengths ({qs[2]} and {ks[2]}): "
-                f"not self-attention over one sequence")
-    if ks[2] != vs[2] or ks[1] != vs[1] or not (qs[0] == ks[0] == vs[0]) or qs[3] != ks[3]:
-        return f"q, k, v shapes {qs}, {ks}, {vs} do not fit one attention"
-    if qs[1] != ks[1] and (qs[1] % ks[1]):
-        return f"{qs[1]} query heads do not divide into {ks[1]} key/value heads"
-    if mask is not None:
-        shape, dtype, requires_grad = mask
-        if dtype is not None and dtype != torch.bool and not dtype.is_floating_point:
-            return f"attn_mask is neither boolean nor floating point ({dtype})"
-        if len(shape) > 4:
-            return f"attn_mask has {len(shape)} dimensions"
-        target = (qs[0], qs[1], qs[2], qs[2])
-        try:  # broadcasts *to* the scores, not merely with them (a larger batch is an error)
-            fits = tuple(torch.broadcast_shapes(shape, target)) == target
-        except RuntimeError:
-            fits = False
-        if not fits:
-            return f"attn_mask of shape {shape} does not broadcast to [B, Hq, N, N]"
-        if requires_grad:
-            return ("attn_mask requires grad (a learned bias, such as T5's relative position "
-                    "bias, in training): the op does not compute the mask's gradient")
-        if site.is_causal:
-            return "attn_mask and is_causal both given"
-    if not (0.0 <= float(site.dropout_p) < 1.0):
-        return f"dropout_p {site.dropout_p} is outside [0, 1)"
-    return ""
+    # enable_gqa=True: the pass sets the site's flag once the heads divide; same_dtype=False:
+    # the rewritten op is cast as SDPA is under autocast, whose state the pass does not see
+    return problem(q, k, v, mask, is_causal=site.is_causal, dropout_p=site.dropout_p,
+                   enable_gqa=True, same_dtype=False)
 
 
 def _complete(match: Match, flow: DataFlow) -> Match:
