@@ -146,3 +146,41 @@ def test_transformers_gradient_checkpointing_trains_as_the_reference():
     loss.backward()
     expected.backward()
     assert_grads_close(model, reference)
+
+
+class DropoutAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True)
+        return out.transpose(1, 2).reshape(b, n, 16)
+
+
+def test_dropout_in_a_checkpointed_region_keeps_its_mask_in_the_backward():
+    """The seed is drawn once in the forward: the recomputation in the backward must not draw a
+    new one, so the gradients equal those of the same step without checkpointing."""
+    torch.manual_seed(0)
+    attention = DropoutAttention()
+    x = torch.randn(1, 20, 16)
+    results = []
+    for use_checkpoint in (False, True):
+        model = copy.deepcopy(attention)
+
+        def run(x, model=model, use_checkpoint=use_checkpoint):
+            return checkpoint.checkpoint(model, x, use_reentrant=False) if use_checkpoint else model(x)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(run, backend=hilbert_fx.backend((8,), (1,), lowering="sdpa"))
+        torch.manual_seed(5)
+        out = compiled(x)
+        out.square().sum().backward()
+        results.append((out.detach(), model.qkv.weight.grad.clone()))
+        torch.manual_seed(6)
+        assert not torch.equal(compiled(x), out), "dropout must draw another mask for another seed"
+    (out, grad), (out_ckpt, grad_ckpt) = results
+    torch.testing.assert_close(out_ckpt, out)
+    torch.testing.assert_close(grad_ckpt, grad)
