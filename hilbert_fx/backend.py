@@ -48,24 +48,25 @@ def subgraphs(gm: fx.GraphModule, prefix: str = "") -> list[tuple[str, fx.GraphM
 
 
 def caller_inputs(gm: fx.GraphModule, flows: dict) -> dict:
-    """For each subgraph that a higher-order op of `gm` calls with its operands in order after
+    """For each subgraph that higher-order ops of `gm` call with their operands in order after
     the body (torch.utils.checkpoint's regions, nested compile regions), its placeholders ->
-    (gm's DataFlow, the operand passed in)."""
+    (gm's DataFlow, the operand passed in), where every call passes the same node."""
     flow = flows.setdefault(gm, DataFlow(gm.graph))
     for node in gm.graph.nodes:
         sub = called_graph(gm, node)
         if sub is None or sub in flows:
             continue
-        outer = {}
+        placeholders = [p for p in sub.graph.nodes if p.op == "placeholder"]
+        passed = []  # per call, the operands in the placeholders' order
         for call in node.users:
-            if call.op != "call_function" or node not in call.args:
-                continue
-            operands = list(call.args[call.args.index(node) + 1:])
-            placeholders = [p for p in sub.graph.nodes if p.op == "placeholder"]
-            if len(operands) == len(placeholders):
-                outer = {p: (flow, a) for p, a in zip(placeholders, operands)
-                         if isinstance(a, fx.Node)}
-            break
+            operands = list(call.args[call.args.index(node) + 1:]) if node in call.args else []
+            passed.append(operands if len(operands) == len(placeholders) else None)
+        outer = {}
+        if passed and None not in passed:  # a placeholder is known where every call agrees
+            for i, p in enumerate(placeholders):
+                first = passed[0][i]
+                if isinstance(first, fx.Node) and all(ops[i] is first for ops in passed):
+                    outer[p] = (flow, first)
         flows[sub] = DataFlow(sub.graph, outer)
         caller_inputs(sub, flows)
     return flows
