@@ -14,8 +14,10 @@ def _runtime_from_checkout() -> None:
     a checkout without installing, that subpackage is the lowering/ folder beside this one."""
     if _util.find_spec(__name__ + ".lowering") is not None:
         return
-    folder = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "lowering")
-    spec = _util.spec_from_file_location(__name__ + ".lowering", _os.path.join(folder, "__init__.py"),
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    folder = _os.path.join(_os.path.dirname(here), "lowering")
+    spec = _util.spec_from_file_location(__name__ + ".lowering",
+                                         _os.path.join(folder, "__init__.py"),
                                          submodule_search_locations=[folder])
     module = _util.module_from_spec(spec)
     _sys.modules[spec.name] = module
@@ -33,4 +35,5 @@ from .pattern import key_counts, plot_pattern  # noqa: E402
 from .scope import dilate, undilate  # noqa: E402
 
 __all__ = ["backend", "dilate", "dilated_attention", "explain", "hilbert_dilated",
-           "hilbert_order", "key_counts", "plot_pattern", "undilate", "DilatedConfig", "HilbertBackend", "Report", "SiteReport"]
+           "hilbert_order", "key_counts", "plot_pattern", "undilate", "DilatedConfig",
+           "HilbertBackend", "Report", "SiteReport"]

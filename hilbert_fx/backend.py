@@ -105,7 +105,8 @@ class HilbertBackend:
         found = [(g, find_sites(g.graph, flows.get(g))) for g in graphs]
         sites = []
         for g, matches in found:
-            matches = [replace(m, module=qualified_name(m.output, names) or m.module) for m in matches]
+            matches = [replace(m, module=qualified_name(m.output, names) or m.module)
+                       for m in matches]
             sites.extend(rewrite(g, matches, self.config, scoped=scoped, roots=roots))
         record = GraphRecord(sites, before, graph_code(gm))
         if self.keep_records:

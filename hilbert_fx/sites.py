@@ -49,8 +49,9 @@ class Match:
     the canonical ones are computed from (for the data-flow proof and the device), and
     `adapt_inputs` inserts the canonical operands at rewrite time. `shapes`: the canonical
     shapes where the finder worked them out (always with adapt_inputs), None where they are read
-    from q, k, v. `adapt_output` turns the op's output into what `output` produced, or is None. `region`: the nodes that only this attention
-    uses, output included (proved closed by the finder). `reason`: why it cannot be rewritten
+    from q, k, v. `adapt_output` turns the op's output into what `output` produced, or is None.
+    `region`: the nodes that only this attention uses, output included (proved closed by the
+    finder). `reason`: why it cannot be rewritten
     ("" when it can); `module`, `module_types`: where it is (innermost module's name, module
     classes outermost first).
     """
