@@ -106,3 +106,103 @@ def reference_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, hil
     if dropout_keep is not None:
         probs = probs * dropout_keep.double() / (1.0 - dropout_p)
     return probs @ v
+
+
+# ------------------------------------------------------------------ SPEC section 5: sequences
+#
+# Built from the section-2 reference above applied to each sequence alone: split each batch row
+# into its sequences (by per-token positions), run reference_dilated_attention on each sequence's
+# own keys and values, and put each query's row back where the query sits. Nothing is shared with
+# the package: the split is done here, in plain Python, from the definitions.
+
+def sequences_of_row(positions, used):
+    """[(start, length)] of the sequences among rows [0, used) of one batch row.
+
+    positions[i] is row i's position in its own sequence, negative for padding. A sequence is a
+    run of consecutive rows with positions 0, 1, 2, ...; a row with position 0 starts a new one.
+    Rows at or past `used` (a static cache's unused tail) are in no sequence.
+    """
+    positions = [int(p) for p in positions]
+    assert 0 <= used <= len(positions)
+    seqs = []
+    for i in range(used):
+        p = positions[i]
+        if p < 0:
+            continue  # padding: no sequence
+        if p == 0:
+            seqs.append([i, 1])
+        else:
+            assert seqs and seqs[-1][0] + seqs[-1][1] == i and positions[i - 1] == p - 1, \
+                f"row {i} has position {p} but does not continue a sequence: {positions}"
+            seqs[-1][1] += 1
+    return [tuple(s) for s in seqs]
+
+
+def position_ids_from_cu_seqlens(cu_seqlens, batch, n):
+    """FlashAttention's varlen convention: cu_seqlens [S + 1] are cumulative lengths over the
+    batch * n tokens read row after row; token t of sequence s is flat token cu[s] + t and has
+    position t; tokens from cu[-1] on are padding (-1). Each sequence lies inside one row."""
+    cu = [int(c) for c in cu_seqlens]
+    assert cu[0] == 0 and all(a <= b for a, b in zip(cu, cu[1:])) and cu[-1] <= batch * n
+    flat = [-1] * (batch * n)
+    for a, b in zip(cu, cu[1:]):
+        assert a == b or a // n == (b - 1) // n, f"sequence [{a}, {b}) spans two rows of {n}"
+        for t in range(a, b):
+            flat[t] = t - a
+    return torch.tensor(flat, dtype=torch.int64).reshape(batch, n)
+
+
+def reference_sequences(q, k, v, segment_lengths, dilation_rates, *, position_ids=None,
+                        seqused_k=None, hilbert=False, is_causal=False, scale=None,
+                        enable_gqa=False):
+    """Float64 output [B, Hq, Nq, Dv] of SPEC section 5: every query gets what section 2 computes
+    for it on its own sequence alone, at its position there; padding queries get 0.
+
+    q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, *]. position_ids [B, Nk] or [Nk] (each key row's position
+    in its sequence, negative = padding; None: each row is one sequence). seqused_k [B] (row b's
+    keys are rows [0, seqused_k[b]); None: all Nk rows). The Nq queries of row b are key rows
+    used_b - Nq + i (the last Nq tokens; with Nq == Nk and all rows used, row i itself). A query
+    whose row is padding, or lies before row 0, gets 0.
+
+    A cache query at position p of a sequence gets row p of the causal op on that sequence: the
+    sequence's q is filled with zeros where no query is given (a causal row p reads q_p and keys
+    <= p only, so those rows change nothing for the rows we keep).
+    """
+    B, Hq, Nq, D = q.shape
+    Nk = k.shape[2]
+    Dv = v.shape[3]
+    assert k.shape[0] == v.shape[0] == B and v.shape[2] == Nk and Nq <= Nk
+    if Nq < Nk or seqused_k is not None:
+        assert is_causal, "queries continuing a cache need is_causal"
+    q, k, v = q.double(), k.double(), v.double()
+    if position_ids is None:
+        pos = [list(range(Nk))] * B
+    else:
+        position_ids = torch.as_tensor(position_ids)
+        if position_ids.dim() == 1:
+            position_ids = position_ids.expand(B, Nk)
+        assert tuple(position_ids.shape) == (B, Nk)
+        pos = position_ids.tolist()
+    used = [Nk] * B if seqused_k is None else [int(u) for u in torch.as_tensor(seqused_k).tolist()]
+    assert len(used) == B
+
+    zero_q = q.new_zeros(Hq, D)
+    zero_out = q.new_zeros(Hq, Dv)
+    rows = []
+    for b in range(B):
+        query_of_row = {used[b] - Nq + i: i for i in range(Nq)}  # key row -> query index
+        got = [zero_out] * Nq
+        for start, n in sequences_of_row(pos[b], used[b]):
+            qi = [query_of_row.get(r) for r in range(start, start + n)]
+            if all(i is None for i in qi):
+                continue
+            qs = torch.stack([zero_q if i is None else q[b, :, i] for i in qi], dim=1)[None]
+            out = reference_dilated_attention(
+                qs, k[b:b + 1, :, start:start + n], v[b:b + 1, :, start:start + n],
+                segment_lengths, dilation_rates, hilbert=hilbert, is_causal=is_causal,
+                scale=scale, enable_gqa=enable_gqa)
+            for t, i in enumerate(qi):
+                if i is not None:
+                    got[i] = out[0, :, t]
+        rows.append(torch.stack(got, dim=1))  # [Hq, Nq, Dv]
+    return torch.stack(rows, dim=0)

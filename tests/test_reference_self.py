@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from reference import count_matrix, hilbert_order, reference_dilated_attention, selected_sets
+from reference import (count_matrix, hilbert_order, position_ids_from_cu_seqlens,
+                       reference_dilated_attention, reference_sequences, selected_sets,
+                       sequences_of_row)
 
 
 # ---------------------------------------------------------------- (a) Hilbert order
@@ -205,3 +207,169 @@ def test_dropout_keep_all_is_identity_and_keep_matches_manual():
     got = reference_dilated_attention(q, k, v, [8], [1], dropout_p=0.3, dropout_keep=keep)
     p = torch.softmax(q @ k.transpose(-1, -2) / 2.0, -1)
     torch.testing.assert_close(got, (p * keep / 0.7) @ v, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- (d) SPEC section 5: sequences
+
+BRANCHES = ([3, 8], [1, 2])
+
+
+def _leaves(*tensors):
+    return [t.clone().requires_grad_() for t in tensors]
+
+
+def test_sequences_of_row():
+    assert sequences_of_row([0, 1, 2, 0, 1, 0], 6) == [(0, 3), (3, 2), (5, 1)]
+    assert sequences_of_row([-1, -1, 0, 1, 2], 5) == [(2, 3)]
+    assert sequences_of_row([0, 1, -1, 0, 1, 2, -1], 7) == [(0, 2), (3, 3)]
+    assert sequences_of_row([0, 1, 2, 3, 4], 3) == [(0, 3)]   # a static cache's unused tail
+    assert sequences_of_row([0, 1, 2], 0) == []
+    for bad in ([1, 2], [0, 2], [0, -1, 1]):
+        with pytest.raises(AssertionError):
+            sequences_of_row(bad, len(bad))
+
+
+def test_position_ids_from_cu_seqlens():
+    with pytest.raises(AssertionError):  # sequence [5, 9) would span rows 0 and 1
+        position_ids_from_cu_seqlens(torch.tensor([0, 3, 5, 9]), 2, 6)
+    got = position_ids_from_cu_seqlens(torch.tensor([0, 3, 6, 8, 10]), 2, 6)
+    assert got.tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, -1, -1]]
+
+
+@pytest.mark.parametrize("hilbert", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("how", ["none", "arange", "arange_1d", "seqused_full"])
+def test_sequences_one_sequence_filling_the_row_is_plain(hilbert, causal, how):
+    if how == "seqused_full" and not causal:
+        pytest.skip("seqused_k needs is_causal")
+    torch.manual_seed(10)
+    B, Hq, Hkv, N, D = 2, 4, 2, 11, 3
+    q, k, v = _rand(B, Hq, N, D), _rand(B, Hkv, N, D), _rand(B, Hkv, N, 5)
+    kw = dict(hilbert=hilbert, is_causal=causal, enable_gqa=True)
+    seq_kw = {"none": {}, "arange": dict(position_ids=torch.arange(N).expand(B, N)),
+              "arange_1d": dict(position_ids=torch.arange(N)),
+              "seqused_full": dict(seqused_k=torch.tensor([N, N]))}[how]
+    got = reference_sequences(q, k, v, *BRANCHES, **seq_kw, **kw)
+    exp = reference_dilated_attention(q, k, v, *BRANCHES, **kw)
+    torch.testing.assert_close(got, exp, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("hilbert", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("side", ["left", "right", "both"])
+def test_sequences_padded_row_equals_unpadded(hilbert, causal, side):
+    torch.manual_seed(11)
+    H, n, D = 2, 9, 4
+    before, after = {"left": (4, 0), "right": (0, 4), "both": (2, 3)}[side]
+    N = before + n + after
+    q, k, v = _leaves(_rand(1, H, N, D) * 30, _rand(1, H, N, D) * 30, _rand(1, H, N, D) * 30)
+    sl = slice(before, before + n)
+    with torch.no_grad():  # real tokens: ordinary sizes; padding: large junk
+        for t in (q, k, v):
+            t[:, :, sl] /= 30
+    pos = torch.full((1, N), -1)
+    pos[0, sl] = torch.arange(n)
+    got = reference_sequences(q, k, v, *BRANCHES, position_ids=pos, hilbert=hilbert,
+                              is_causal=causal)
+    q0, k0, v0 = _leaves(q[:, :, sl].detach(), k[:, :, sl].detach(), v[:, :, sl].detach())
+    exp = reference_dilated_attention(q0, k0, v0, *BRANCHES, hilbert=hilbert, is_causal=causal)
+    torch.testing.assert_close(got[:, :, sl], exp, rtol=0, atol=0)
+    pad = torch.ones(N, dtype=torch.bool)
+    pad[sl] = False
+    assert torch.equal(got[:, :, pad], torch.zeros_like(got[:, :, pad]))
+    g = _rand(*got.shape)
+    gq, gk, gv = torch.autograd.grad(got, (q, k, v), g)
+    eq, ek, ev = torch.autograd.grad(exp, (q0, k0, v0), g[:, :, sl])
+    for a, e in ((gq, eq), (gk, ek), (gv, ev)):
+        torch.testing.assert_close(a[:, :, sl], e, rtol=0, atol=0)
+        assert torch.equal(a[:, :, pad], torch.zeros_like(a[:, :, pad]))  # padding: no key, no query
+
+
+@pytest.mark.parametrize("hilbert", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sequences_packed_row_equals_each_document_alone(hilbert, causal):
+    torch.manual_seed(12)
+    H, D = 2, 3
+    docs = [2, 9, 1, 5]  # shorter than a segment, spanning several, a single token
+    N = sum(docs) + 2     # two padding tokens at the end
+    q, k, v = _leaves(_rand(1, H, N, D), _rand(1, H, N, D), _rand(1, H, N, D))
+    pos = torch.cat([torch.arange(n) for n in docs] + [torch.tensor([-1, -1])])[None]
+    got = reference_sequences(q, k, v, *BRANCHES, position_ids=pos, hilbert=hilbert,
+                              is_causal=causal)
+    start = 0
+    for n in docs:
+        sl = slice(start, start + n)
+        exp = reference_dilated_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], *BRANCHES,
+                                          hilbert=hilbert, is_causal=causal)
+        torch.testing.assert_close(got[:, :, sl], exp, rtol=0, atol=0)
+        start += n
+    assert torch.equal(got[:, :, -2:], torch.zeros_like(got[:, :, -2:]))
+    # and the keys really stop at the documents' edges: changing a key of the last document
+    # (rows 12..16) changes rows of that document and nothing else
+    k2 = k.detach().clone()
+    k2[:, :, 13] += 1.0
+    got2 = reference_sequences(q, k2, v, *BRANCHES, position_ids=pos, hilbert=hilbert,
+                               is_causal=causal)
+    keep = torch.ones(N, dtype=torch.bool)
+    keep[12:17] = False
+    assert torch.equal(got2[:, :, keep], got[:, :, keep])
+    assert not torch.equal(got2[:, :, 12:17], got[:, :, 12:17])
+
+
+def test_sequences_packed_via_cu_seqlens_equals_position_ids():
+    torch.manual_seed(13)
+    q, k, v = _rand(2, 2, 7, 3), _rand(2, 2, 7, 3), _rand(2, 2, 7, 3)
+    cu = torch.tensor([0, 4, 7, 8, 12])  # row 0: 4 + 3; row 1: 1 + 4, then 2 padding
+    pos = position_ids_from_cu_seqlens(cu, 2, 7)
+    assert pos.tolist() == [[0, 1, 2, 3, 0, 1, 2], [0, 0, 1, 2, 3, -1, -1]]
+    got = reference_sequences(q, k, v, *BRANCHES, position_ids=pos, hilbert=True)
+    exp = reference_dilated_attention(q[1:, :, 1:5], k[1:, :, 1:5], v[1:, :, 1:5], *BRANCHES,
+                                      hilbert=True)
+    torch.testing.assert_close(got[1:, :, 1:5], exp, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("hilbert", [False, True])
+@pytest.mark.parametrize("nq", [1, 3])
+@pytest.mark.parametrize("static", [False, True])
+def test_sequences_cache_rows_equal_last_rows_of_full_causal(hilbert, nq, static):
+    torch.manual_seed(14)
+    B, Hq, Hkv, D = 2, 4, 2, 3
+    lengths = [13, 6] if static else [13, 13]   # tokens each row's cache holds, the new ones too
+    Nk = 16 if static else 13
+    qf = _rand(B, Hq, Nk, D)      # queries of the whole sequences (the full rows' inputs)
+    k, v = _rand(B, Hkv, Nk, D), _rand(B, Hkv, Nk, D)
+    q = torch.stack([qf[b, :, L - nq:L] for b, L in enumerate(lengths)])  # the step's queries
+    q, k, v = _leaves(q, k, v)
+    kw = dict(hilbert=hilbert, is_causal=True, enable_gqa=True)
+    got = reference_sequences(q, k, v, *BRANCHES, seqused_k=torch.tensor(lengths) if static
+                              else None, **kw)
+    g = _rand(*got.shape)
+    gq, gk, gv = torch.autograd.grad(got, (q, k, v), g)
+    for b, L in enumerate(lengths):
+        qb = qf[b:b + 1, :, :L].clone()
+        qb[:, :, L - nq:] = q[b:b + 1].detach()
+        qb, kb, vb = _leaves(qb, k[b:b + 1, :, :L].detach(), v[b:b + 1, :, :L].detach())
+        full = reference_dilated_attention(qb, kb, vb, *BRANCHES, **kw)
+        torch.testing.assert_close(got[b:b + 1], full[:, :, L - nq:], rtol=0, atol=0)
+        eq, ek, ev = torch.autograd.grad(full[:, :, L - nq:], (qb, kb, vb), g[b:b + 1])
+        torch.testing.assert_close(gq[b:b + 1], eq[:, :, L - nq:], rtol=0, atol=0)
+        assert torch.equal(eq[:, :, :L - nq], torch.zeros_like(eq[:, :, :L - nq]))
+        torch.testing.assert_close(gk[b:b + 1, :, :L], ek, rtol=0, atol=0)
+        torch.testing.assert_close(gv[b:b + 1, :, :L], ev, rtol=0, atol=0)
+        assert torch.equal(gk[b, :, L:], torch.zeros_like(gk[b, :, L:]))  # unused cache rows
+        assert torch.equal(gv[b, :, L:], torch.zeros_like(gv[b, :, L:]))
+
+
+def test_sequences_cache_with_left_padding():
+    """A left-padded row of a batched generation: position_ids -1 on the padding, a dynamic cache
+    (every key row used); the step's query is the row's last token."""
+    torch.manual_seed(15)
+    H, D, pad, n = 2, 3, 3, 8
+    N = pad + n
+    q, k, v = _rand(1, H, 2, D), _rand(1, H, N, D), _rand(1, H, N, D)
+    pos = torch.tensor([[-1] * pad + list(range(n))])
+    got = reference_sequences(q, k, v, *BRANCHES, position_ids=pos, is_causal=True, hilbert=True)
+    qf = torch.cat([_rand(1, H, n - 2, D), q], dim=2)
+    full = reference_dilated_attention(qf, k[:, :, pad:], v[:, :, pad:], *BRANCHES,
+                                       is_causal=True, hilbert=True)
+    torch.testing.assert_close(got, full[:, :, -2:], rtol=0, atol=0)
