@@ -109,11 +109,16 @@ class TensorSpec:
 
 
 def problem(q, k, v, attn_mask=None, *, is_causal: bool = False, dropout_p: float = 0.0,
-            enable_gqa: bool = False, scale=None, same_dtype: Optional[bool] = None) -> str:
+            enable_gqa: bool = False, scale=None, same_dtype: Optional[bool] = None,
+            position_ids=None, cu_seqlens=None, seqused_k=None) -> str:
     """What is wrong with a call's tensors and numbers (SPEC section 2), "" when nothing: the one
     rule book that the op (which raises it), the ring (which agrees on it across ranks before any
     rank raises), the Triton lowering and the pass (which records it as the reason a site is not
     rewritten) all read. q, k, v and attn_mask are tensors or TensorSpecs.
+
+    position_ids, cu_seqlens, seqused_k: the sequence structure of SPEC section 5 (README.md,
+    "Packed sequences, padding and a KV cache"). q shorter than k is a cache continuation: the
+    queries are the last tokens of the sequences whose keys k holds, which needs is_causal.
 
     same_dtype: whether q, k and v must share a dtype. None (the op): unless autocast is on for
     q's device, since autocast casts them to one. The pass passes False: it does not know the
@@ -135,10 +140,11 @@ def problem(q, k, v, attn_mask=None, *, is_causal: bool = False, dropout_p: floa
     if same_dtype and _dtype_problem(qs.dtype, ks.dtype, vs.dtype):
         return _dtype_problem(qs.dtype, ks.dtype, vs.dtype)
     (b, hq, n, d), (bk, hkv, nk, dk), (bv, hv, nv, _) = qs.shape, ks.shape, vs.shape
-    if nk != n:
+    if n > nk or (n < nk and not is_causal):
         # "different lengths ... not self-attention": the pass reports cross-attention sites so
         return (f"q and k have different lengths (q has {n} positions, k has {nk}): not "
-                f"self-attention over one sequence, where q and k must have the same length")
+                f"self-attention over one sequence, where q and k must have the same length "
+                f"(or q the last tokens of a cached sequence in k, which needs is_causal=True)")
     if nv != nk:
         return f"k and v must have the same length, got {nk} and {nv}"
     if not (b == bk == bv):
@@ -177,10 +183,53 @@ def problem(q, k, v, attn_mask=None, *, is_causal: bool = False, dropout_p: floa
             return ("attn_mask must not require grad: it requires grad (a learned bias, such as "
                     "T5's relative position bias, in training), and the op does not compute the "
                     "mask's gradient")
+    reason = _structure_problem(b, n, nk, attn_mask, is_causal, dropout_p, position_ids,
+                                cu_seqlens, seqused_k)
+    if reason:
+        return reason
     if not (0.0 <= float(dropout_p) < 1.0):
         return f"dropout_p must be in [0, 1), got {dropout_p}"
     if scale is not None and not math.isfinite(float(scale)):
         return f"scale must be a finite number, got {scale}"
+    return ""
+
+
+def _structure_problem(b, n, nk, attn_mask, is_causal, dropout_p, position_ids, cu_seqlens,
+                       seqused_k) -> str:
+    given = [name for name, t in (("position_ids", position_ids), ("cu_seqlens", cu_seqlens),
+                                  ("seqused_k", seqused_k)) if t is not None]
+    for name in given:
+        t = {"position_ids": position_ids, "cu_seqlens": cu_seqlens, "seqused_k": seqused_k}[name]
+        if not isinstance(t, (torch.Tensor, TensorSpec)):
+            return f"{name} must be a tensor, got {type(t).__name__}"
+        spec = TensorSpec.of(t)
+        if spec.dtype is not None and (spec.dtype.is_floating_point or spec.dtype.is_complex
+                                       or spec.dtype == torch.bool):
+            return f"{name} must be an integer tensor, got {spec.dtype}"
+        if spec.requires_grad:
+            return f"{name} must not require grad"
+    if position_ids is not None and cu_seqlens is not None:
+        return "position_ids and cu_seqlens cannot both be given (each says where sequences start)"
+    if given and attn_mask is not None:
+        return (f"attn_mask cannot be combined with {' or '.join(given)}: the sequence structure "
+                f"replaces the mask (SPEC section 5)")
+    if position_ids is not None:
+        shape = TensorSpec.of(position_ids).shape
+        if shape not in ((nk,), (1, nk), (b, nk)):
+            return (f"position_ids must have shape [N], [1, N] or [B, N] over k's rows "
+                    f"(B = {b}, N = {nk}), got {shape}")
+    if cu_seqlens is not None:
+        shape = TensorSpec.of(cu_seqlens).shape
+        if len(shape) != 1 or shape[0] < 1:
+            return f"cu_seqlens must be a 1-D tensor [S + 1] of cumulative lengths, got shape {shape}"
+    if seqused_k is not None:
+        shape = TensorSpec.of(seqused_k).shape
+        if shape != (b,):
+            return f"seqused_k must have shape [B] = [{b}], got {shape}"
+        if not is_causal:
+            return "seqused_k (queries continuing a cached sequence) needs is_causal=True"
+    if (n < nk or seqused_k is not None) and float(dropout_p) > 0.0:
+        return "dropout_p must be 0 for queries against a cache (q shorter than k, or seqused_k)"
     return ""
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import sdpa_lowering
+from . import decode, sdpa_lowering, sequences
 from .arguments import (check_branches, check_flags, check_lowering, check_same_dtype, problem,
                         resolve_lowering)
 from .autocast import register_autocast
@@ -44,28 +44,99 @@ def _empty(q: Tensor, v: Tensor) -> bool:
     return b * hq * n * v.shape[-1] == 0
 
 
+def _decode_module(lowering: str, q: Tensor):
+    """The Triton decode kernel where the Triton lowering runs, else decode.py's torch ops."""
+    if lowering == "triton":
+        try:
+            from . import triton_decode
+            return triton_decode
+        except ImportError:  # the kernel is optional: decode.py computes the same
+            pass
+    return decode
+
+
+def _rows_of(q: Tensor, k: Tensor, segment_lengths, hilbert: bool, position_ids, seqused_k):
+    """How the queries meet the sequences (SPEC section 5): None for plain rows (section 2),
+    ("packed", plans) when the queries are the key rows of `position_ids`' sequences, or
+    ("cache", Cache) for queries that continue cached sequences."""
+    b, nq, nk = q.shape[0], q.shape[2], k.shape[2]
+    if seqused_k is None and nq == nk:
+        return None if position_ids is None else ("packed", position_ids.expand(b, nk))
+    return ("cache", sequences.cache_of(nq, nk, b, position_ids, seqused_k, q.device))
+
+
+def _forward(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p,
+             seed, scale, lowering, position_ids, seqused_k):
+    """(out, lse) in the compute dtype; every path of the forward, so that the backward of the
+    decode path can differentiate it."""
+    rows = _rows_of(q, k, segment_lengths, hilbert, position_ids, seqused_k)
+    lower = _lowering_module(lowering)
+    if rows is None:
+        plans = branch_plans(q.shape[2], segment_lengths, dilation_rates, hilbert, q.device)
+        return lower.forward(q, k, v, plans, is_causal=is_causal, attn_mask=attn_mask,
+                             scale=scale, dropout_p=dropout_p, seed=seed)
+    kind, what = rows
+    if kind == "cache" and q.shape[2] <= sequences.DECODE_MAX_QUERIES:
+        return _decode_module(lowering, q).decode_forward(
+            q, k, v, what.key_positions, what.query_rows, segment_lengths, dilation_rates,
+            hilbert, scale)
+    b = q.shape[0]
+    if kind == "cache":  # many queries: place them at their rows, run the sets of every row
+        positions, cache = what.key_positions, what
+        q = _at_rows(q, cache.query_rows, k.shape[2])
+    else:
+        positions, cache = what, None
+    plans = sequences.sequence_plans(positions, segment_lengths, dilation_rates, hilbert)
+    out, lse = lower.forward(sequences.flat_rows(q), sequences.flat_rows(k),
+                             sequences.flat_rows(v), plans, is_causal=is_causal, attn_mask=None,
+                             scale=scale, dropout_p=dropout_p, seed=seed)
+    out, lse = sequences.batch_rows(out, b), sequences.batch_rows(lse, b)
+    if cache is not None:
+        out, lse = _from_rows(out, cache.query_rows), _from_rows(lse, cache.query_rows)
+    return out, lse
+
+
+def _at_rows(q: Tensor, rows: Tensor, n: int) -> Tensor:
+    """[B, H, Nq, D] placed at key rows `rows` [B, Nq] of a zero [B, H, n, D]."""
+    b, h, nq, d = q.shape
+    full = q.new_zeros(b, h, n, d)
+    index = rows.clamp(0, n - 1).view(b, 1, nq, 1).expand(b, h, nq, d)
+    return full.scatter(2, index, q)
+
+
+def _from_rows(x: Tensor, rows: Tensor) -> Tensor:
+    """Rows `rows` [B, Nq] of x [B, H, N, ...]."""
+    b, h = x.shape[:2]
+    nq = rows.shape[1]
+    index = rows.clamp(min=0).view(b, 1, nq, *([1] * (x.dim() - 3)))
+    return x.gather(2, index.expand(b, h, nq, *x.shape[3:]))
+
+
 @torch.library.custom_op("hilbert_fx::dilated_attention", mutates_args=())
 def dilated_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[int],
                          dilation_rates: list[int], hilbert: bool, is_causal: bool,
                          attn_mask: Optional[Tensor], dropout_p: float, seed: Optional[Tensor],
-                         scale: float, lowering: str) -> tuple[Tensor, Tensor]:
-    """Returns (out [B, Hq, N, Dv] in q's dtype, lse [B, Hq, N] in float32 or wider)."""
+                         scale: float, lowering: str, position_ids: Optional[Tensor] = None,
+                         seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Returns (out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] in float32 or wider).
+
+    position_ids (int64 [B, Nk] or [1, Nk], negative: padding) and seqused_k (int64 [B]) are the
+    sequence structure of SPEC section 5, already checked and normalised by the front."""
     check_same_dtype(q, k, v)
     if _empty(q, v):  # as SDPA: empty in, empty out (the lowerings index a set's last member)
         b, hq, n, _ = q.shape
         return (q.new_zeros(b, hq, n, v.shape[-1]),
                 q.new_full((b, hq, n), float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32)))
-    plans = branch_plans(q.shape[2], segment_lengths, dilation_rates, hilbert, q.device)
     dtype = _compute_dtype(q, lowering)
-    out, lse = _lowering_module(lowering).forward(
-        q.to(dtype), k.to(dtype), v.to(dtype), plans, is_causal=is_causal, attn_mask=attn_mask,
-        scale=scale, dropout_p=dropout_p, seed=seed)
+    out, lse = _forward(q.to(dtype), k.to(dtype), v.to(dtype), segment_lengths, dilation_rates,
+                        hilbert, is_causal, attn_mask, dropout_p, seed, scale, lowering,
+                        position_ids, seqused_k)
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
 @dilated_attention_op.register_fake
 def _(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p, seed,
-      scale, lowering):
+      scale, lowering, position_ids=None, seqused_k=None):
     check_same_dtype(q, k, v)
     b, h, n, _ = q.shape
     out = q.new_empty(b, h, n, v.shape[-1])
@@ -78,40 +149,77 @@ def dilated_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
                                   lse: Tensor, segment_lengths: list[int],
                                   dilation_rates: list[int], hilbert: bool, is_causal: bool,
                                   attn_mask: Optional[Tensor], dropout_p: float,
-                                  seed: Optional[Tensor], scale: float,
-                                  lowering: str) -> tuple[Tensor, Tensor, Tensor]:
+                                  seed: Optional[Tensor], scale: float, lowering: str,
+                                  position_ids: Optional[Tensor] = None,
+                                  seqused_k: Optional[Tensor] = None
+                                  ) -> tuple[Tensor, Tensor, Tensor]:
     if _empty(q, v):  # every gradient has a zero-size dimension, or no row reaches it
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    plans = branch_plans(q.shape[2], segment_lengths, dilation_rates, hilbert, q.device)
     dtype = _compute_dtype(q, lowering)
-    dq, dk, dv = _lowering_module(lowering).backward(
-        dout.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), out.to(dtype), lse, plans,
-        is_causal=is_causal, attn_mask=attn_mask, scale=scale, dropout_p=dropout_p, seed=seed)
+    args = (dout.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), out.to(dtype), lse,
+            segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p, seed,
+            scale, lowering, position_ids, seqused_k)
+    dq, dk, dv = _backward_in(*args)
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+
+
+def _backward_in(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert, is_causal,
+                 attn_mask, dropout_p, seed, scale, lowering, position_ids, seqused_k):
+    rows = _rows_of(q, k, segment_lengths, hilbert, position_ids, seqused_k)
+    lower = _lowering_module(lowering)
+    if rows is None:
+        plans = branch_plans(q.shape[2], segment_lengths, dilation_rates, hilbert, q.device)
+        return lower.backward(dout, q, k, v, out, lse, plans, is_causal=is_causal,
+                              attn_mask=attn_mask, scale=scale, dropout_p=dropout_p, seed=seed)
+    kind, what = rows
+    if kind == "cache" and q.shape[2] <= sequences.DECODE_MAX_QUERIES:
+        # decoding has no backward kernel: differentiate decode.py's torch operations
+        with torch.enable_grad():
+            inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+            o, _ = decode.decode_forward(*inputs, what.key_positions, what.query_rows,
+                                         segment_lengths, dilation_rates, hilbert, scale)
+            return torch.autograd.grad(o, inputs, dout.to(o.dtype))
+    b, nk = q.shape[0], k.shape[2]
+    if kind == "cache":  # the gradients of the rows that hold no query are 0 (dout 0 there)
+        positions, rows_q = what.key_positions, what.query_rows
+        q, dout, out = (_at_rows(x, rows_q, nk) for x in (q, dout, out))
+        lse = _at_rows(lse.unsqueeze(-1), rows_q, nk).squeeze(-1)
+    else:
+        positions, rows_q = what, None
+    plans = sequences.sequence_plans(positions, segment_lengths, dilation_rates, hilbert)
+    flat = sequences.flat_rows
+    dq, dk, dv = lower.backward(flat(dout), flat(q), flat(k), flat(v), flat(out),
+                                lse.transpose(0, 1).reshape(1, lse.shape[1], -1),
+                                plans, is_causal=is_causal, attn_mask=None, scale=scale,
+                                dropout_p=dropout_p, seed=seed)
+    dq, dk, dv = (sequences.batch_rows(x, b) for x in (dq, dk, dv))
+    if rows_q is not None:
+        dq = _from_rows(dq, rows_q)
+    return dq, dk, dv
 
 
 @dilated_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
-      dropout_p, seed, scale, lowering):
+      dropout_p, seed, scale, lowering, position_ids=None, seqused_k=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p, seed, \
-        scale, lowering = inputs
+        scale, lowering, position_ids, seqused_k = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, seed)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, seed, position_ids, seqused_k)
     ctx.config = (segment_lengths, dilation_rates, hilbert, is_causal, dropout_p, scale, lowering)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, attn_mask, seed = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, seed, position_ids, seqused_k = ctx.saved_tensors
     segment_lengths, dilation_rates, hilbert, is_causal, dropout_p, scale, lowering = ctx.config
     dq, dk, dv = dilated_attention_backward_op(
         dout.contiguous(), q, k, v, out, lse, segment_lengths, dilation_rates, hilbert, is_causal,
-        attn_mask, dropout_p, seed, scale, lowering)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        attn_mask, dropout_p, seed, scale, lowering, position_ids, seqused_k)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 dilated_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -122,10 +230,25 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
                       hilbert: bool = False, is_causal: bool = False,
                       attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
                       scale: Optional[float] = None, enable_gqa: bool = False,
-                      lowering: str = "auto", mesh=None) -> Tensor:
-    """LongNet dilated attention as SPEC section 2 defines it; arguments as in SDPA."""
+                      lowering: str = "auto", mesh=None, position_ids: Optional[Tensor] = None,
+                      cu_seqlens: Optional[Tensor] = None,
+                      seqused_k: Optional[Tensor] = None) -> Tensor:
+    """LongNet dilated attention as SPEC section 2 defines it; arguments as in SDPA.
+
+    Sequence structure (SPEC section 5; each query gets the op on its own sequence alone):
+    position_ids [Nk] or [B, Nk]: each key row's position in its sequence, negative for padding
+    (sequences count 0, 1, 2, ... on consecutive rows: packed documents restart at 0);
+    cu_seqlens [S + 1]: FlashAttention's cumulative lengths over the B * Nk rows read one after
+    the other, the rows past its last entry padding; seqused_k [B]: row b's keys are k's rows
+    [0, seqused_k[b]). q shorter than k (or seqused_k given) holds the last tokens of each
+    row's sequence, continuing a cache: is_causal=True then."""
     if mesh is not None:  # checked there so that every rank of the mesh raises, none hangs
         from .ring import dilated_attention_on_mesh
+        for name, t in (("position_ids", position_ids), ("cu_seqlens", cu_seqlens),
+                        ("seqused_k", seqused_k)):
+            if t is not None:  # every rank passes the same arguments: every rank raises
+                raise ValueError(f"{name} is not supported with mesh= (the ring runs one "
+                                 f"sequence per batch row, sharded over the mesh)")
         return dilated_attention_on_mesh(q, k, v, segment_lengths, dilation_rates, hilbert=hilbert,
                                          is_causal=is_causal, attn_mask=attn_mask,
                                          dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
@@ -135,13 +258,21 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
     segment_lengths, dilation_rates = check_branches(segment_lengths, dilation_rates)
     check_lowering(lowering)
     reason = problem(q, k, v, attn_mask, is_causal=is_causal, dropout_p=dropout_p,
-                     enable_gqa=enable_gqa, scale=scale)
+                     enable_gqa=enable_gqa, scale=scale, position_ids=position_ids,
+                     cu_seqlens=cu_seqlens, seqused_k=seqused_k)
     if reason:
         raise ValueError(reason)
     scale = 1.0 / math.sqrt(max(q.shape[-1], 1)) if scale is None else float(scale)
     resolved = resolve_lowering(lowering, q.device)
     seed = new_seed(q.device) if dropout_p > 0.0 else None
+    b, nk = q.shape[0], k.shape[2]
+    if cu_seqlens is not None:
+        position_ids = sequences.positions_from_cu_seqlens(cu_seqlens.to(q.device), b, nk)
+    if position_ids is not None:
+        position_ids = position_ids.to(device=q.device, dtype=torch.int64).reshape(-1, nk)
+    if seqused_k is not None:
+        seqused_k = seqused_k.to(device=q.device, dtype=torch.int64)
     out, _ = torch.ops.hilbert_fx.dilated_attention(
         q, k, v, list(segment_lengths), list(dilation_rates), hilbert, is_causal,
-        attn_mask, float(dropout_p), seed, scale, resolved)
+        attn_mask, float(dropout_p), seed, scale, resolved, position_ids, seqused_k)
     return out

@@ -8,6 +8,10 @@ plain lower triangle over the set.
 
 `BranchPlan.positions[o, j, m]` is the m-th smallest selected position of offset o in segment j,
 padded with N (a position that does not exist) past `counts[o, j]`.
+
+Plans of rows that hold several sequences or padding (SPEC section 5) have the same form and are
+built in lowering/sequences.py: there a set may be partial in any segment, and rows of padding
+are in no set (`complete` is False).
 """
 from __future__ import annotations
 
@@ -62,6 +66,11 @@ class BranchPlan:
     seq_len: int
     positions: torch.Tensor  # [r, S, w // r] long, ascending, padded with seq_len
     counts: torch.Tensor  # [r, S] long, number of valid entries of positions
+    # positions[o, j, m] == j*w + o + m*r wherever valid (identity order over one plain row): the
+    # kernels can then reach rows by arithmetic instead of reading positions
+    strided: bool = False
+    # every row 0 .. seq_len - 1 is in a set of every offset; False where rows are padding
+    complete: bool = True
 
     @property
     def num_segments(self) -> int:
@@ -73,13 +82,32 @@ class BranchPlan:
 
     @property
     def is_strided(self) -> bool:
-        """True when positions[o, j, m] == j*w + o + m*r wherever it is valid (identity order)."""
-        return self._strided
+        return self.strided
 
     def for_heads(self, num_heads: int) -> torch.Tensor:
         """[H, S, w // r]: the positions each query head selects (head h uses offset h % r)."""
         offsets = torch.arange(num_heads, device=self.positions.device) % self.dilation_rate
         return self.positions.index_select(0, offsets)
+
+
+@functools.lru_cache(maxsize=256)
+def class_members(w: int, r: int, hilbert: bool) -> torch.Tensor:
+    """[r, w // r] long: the in-segment positions of offset class o, ascending. Rank t stands
+    for in-segment position pi_w(t) and belongs to class t % r."""
+    ranks = hilbert_order(w) if hilbert else torch.arange(w)
+    return ranks.view(w // r, r).t().sort(dim=-1).values.contiguous()
+
+
+@functools.lru_cache(maxsize=256)
+def class_of(w: int, r: int, hilbert: bool) -> torch.Tensor:
+    """[w] long: the offset class of each in-segment position, and [w] its index in that
+    class's ascending members (class_members[class_of[c], slot_of[c]] == c)."""
+    members = class_members(w, r, hilbert)
+    cls = torch.empty(w, dtype=torch.long)
+    slot = torch.empty(w, dtype=torch.long)
+    cls[members.reshape(-1)] = torch.arange(r).repeat_interleave(w // r)
+    slot[members.reshape(-1)] = torch.arange(w // r).repeat(r)
+    return torch.stack([cls, slot])
 
 
 def _build_positions(seq_len: int, w: int, r: int, hilbert: bool) -> torch.Tensor:
@@ -99,9 +127,7 @@ def _cached_plan(seq_len: int, w: int, r: int, hilbert: bool, device: str) -> Br
     positions = _build_positions(seq_len, w, r, hilbert)
     counts = (positions < seq_len).sum(-1)
     strided = not hilbert or torch.equal(positions, _build_positions(seq_len, w, r, hilbert=False))
-    plan = BranchPlan(w, r, seq_len, positions.to(device), counts.to(device))
-    object.__setattr__(plan, "_strided", strided)
-    return plan
+    return BranchPlan(w, r, seq_len, positions.to(device), counts.to(device), strided=strided)
 
 
 def branch_plan(seq_len: int, segment_length: int, dilation_rate: int, hilbert: bool,

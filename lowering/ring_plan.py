@@ -405,8 +405,8 @@ def _shard_plan(seq_len: int, n: int, rank: int, w: int, r: int, hilbert: bool,
     length = int(counts.max())
     local = local[:, used, :length].contiguous()
     counts = counts[:, used].contiguous()
-    plan = BranchPlan(w, r, n, local.to(device), counts.to(device))
-    object.__setattr__(plan, "_strided", False)  # the kernels read Pos (segment starts vary)
+    # not strided: the kernels read positions (segment starts vary from shard to shard)
+    plan = BranchPlan(w, r, n, local.to(device), counts.to(device), strided=False)
     return plan
 
 

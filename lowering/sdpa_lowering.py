@@ -12,6 +12,7 @@ needs no mask for it: padding sits after every real position in the ascending or
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -31,18 +32,20 @@ class Block:
     padded: bool
 
 
-# Blocks per (plan, heads), kept with their plan: deciding them reads counts on the host, which a
-# CUDA graph cannot capture and which costs a synchronisation per call. Plans are cached too.
+# Blocks per (plan, heads), as long as the plan lives: deciding them reads counts on the host,
+# which a CUDA graph cannot capture and which costs a synchronisation per call. The plans of
+# plain rows are cached (plans.py) and so keep their blocks; those of packed rows are built per
+# call (sequences.py) and take theirs with them.
 _blocks: dict = {}
 
 
 def blocks_of(plan: BranchPlan, num_heads: int) -> list[Block]:
     key = (id(plan), num_heads)
-    if key not in _blocks or _blocks[key][0] is not plan:
-        if len(_blocks) > 1024:
-            _blocks.clear()
-        _blocks[key] = (plan, _make_blocks(plan, num_heads))
-    return _blocks[key][1]
+    hit = _blocks.get(key)
+    if hit is None or hit[0]() is not plan:
+        hit = _blocks[key] = (weakref.ref(plan), _make_blocks(plan, num_heads))
+        weakref.finalize(plan, _blocks.pop, key, None)
+    return hit[1]
 
 
 def _make_blocks(plan: BranchPlan, num_heads: int) -> list[Block]:
@@ -50,8 +53,11 @@ def _make_blocks(plan: BranchPlan, num_heads: int) -> list[Block]:
     counts = plan.counts.index_select(
         0, torch.arange(num_heads, device=positions.device) % plan.dilation_rate)
     n = plan.seq_len
-    if bool((counts[:, -1] == plan.set_size).all()):
+    full = counts == plan.set_size
+    if bool(full.all()):
         return [Block(positions, positions < n, False)]
+    if not bool(full[:, :-1].all()):  # partial sets anywhere (packed rows): one padded block
+        return [Block(positions, positions < n, True)]
     blocks = []
     if plan.num_segments > 1:
         full = positions[:, :-1]

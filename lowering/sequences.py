@@ -1,0 +1,137 @@
+"""Sequence structure (SPEC section 5): rows that hold several sequences, padding, or the last
+tokens of a cached sequence. Every query gets what section 2 computes on its own sequence alone.
+
+The structure reaches the op as per-token positions (`position_ids`: each key row's position in
+its sequence, negative for padding; or FlashAttention's `cu_seqlens`, converted here) and, for
+queries that continue a cached sequence, `seqused_k` (the key rows each batch row uses). The one
+place where it meets the lowerings is `plan_of` below:
+
+- Queries are the key rows (training, a prefill): the B rows are read as one row of B * N tokens
+  and each branch's sets are built per sequence (`sequence_plans`). The plans have the form of
+  lowering/plans.py, so every lowering runs them unchanged: a set never leaves its sequence, it
+  may be partial in any segment, and padding is in no set.
+- Queries against a cache: `Cache` names the key row each query stands at. Few queries take the
+  decode path (lowering/decode.py: each query reads only the keys of its own sets); many (a
+  chunked prefill) are placed at their rows and run as above.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .plans import BranchPlan, class_members, class_of
+
+# A chunk of at most this many queries against a cache reads its keys per query (decode.py);
+# a longer one runs the sets of its rows, whose cost is that of the whole cached sequence.
+DECODE_MAX_QUERIES = 16
+
+
+def positions_from_cu_seqlens(cu_seqlens: Tensor, batch: int, n: int) -> Tensor:
+    """[B, N] int64 positions of FlashAttention's cumulative lengths over the B * N tokens read
+    row after row; tokens from cu_seqlens[-1] on are padding (-1)."""
+    cu = cu_seqlens.to(torch.int64)
+    t = torch.arange(batch * n, device=cu.device)
+    seq = torch.searchsorted(cu, t, right=True) - 1  # the sequence token t falls in
+    inside = (seq >= 0) & (seq < cu.numel() - 1)
+    start = cu.gather(0, seq.clamp(0, max(cu.numel() - 1, 0)))
+    return torch.where(inside, t - start, -1).view(batch, n)
+
+
+def sequence_plans(positions: Tensor, segment_lengths, dilation_rates, hilbert: bool) -> list[BranchPlan]:
+    """The branch plans of rows whose tokens have `positions` [B, N] (negative: padding), over
+    the B * N tokens as one row (row b's token i is token b * N + i).
+
+    Token t at position p lies in segment p // w of the sequence starting at token t - p; its
+    in-segment position p % w decides its offset class and its place in the class (plans.class_of),
+    so the sets come from one scatter. The number of segments is read on the host (one
+    synchronisation per call, with the check of the positions): the plans' tensors are sized by it."""
+    flat = positions.reshape(-1).to(torch.int64)
+    total = flat.numel()
+    device = flat.device
+    tokens = torch.arange(total, device=device)
+    valid = flat >= 0
+    # a sequence counts 0, 1, 2, ... on consecutive rows of one batch row: a positive position
+    # continues the token before it
+    prev = torch.cat([flat.new_full((1,), -1), flat[:-1]])
+    row_start = tokens % positions.shape[-1] == 0
+    broken = (flat > 0) & ((prev != flat - 1) | row_start)
+    p = flat.clamp(min=0)
+    starts = [valid & (p % w == 0) for w in segment_lengths]
+    counts = torch.stack([broken.sum(), valid.all().to(torch.int64)] + [s.sum() for s in starts])
+    bad, complete, *num_segments = counts.tolist()
+    if bad:
+        raise ValueError(
+            "position_ids must count 0, 1, 2, ... along each sequence (a sequence starts at "
+            "position 0 and does not cross a batch row; negative entries are padding)")
+    plans = []
+    for w, r, start, s in zip(segment_lengths, dilation_rates, starts, num_segments):
+        table = tables(w, r, hilbert, device)[1]
+        cls, slot = table[0, p % w], table[1, p % w]
+        segment = torch.cumsum(start, 0) - 1
+        segment = torch.where(valid, segment, s)  # padding goes to a spare set, dropped below
+        pos = torch.full((r, s + 1, w // r), total, dtype=torch.int64, device=device)
+        pos.index_put_((cls, segment, slot), tokens)
+        cnt = torch.zeros(r, s + 1, dtype=torch.int64, device=device)
+        cnt.index_put_((cls, segment), torch.ones_like(tokens), accumulate=True)
+        plans.append(BranchPlan(w, r, total, pos[:, :s].contiguous(), cnt[:, :s].contiguous(),
+                                strided=False, complete=bool(complete)))
+    return plans
+
+
+def flat_rows(x: Tensor) -> Tensor:
+    """[B, H, N, D] -> [1, H, B * N, D]: the batch rows one after the other (a view when B is 1)."""
+    b, h, n, d = x.shape
+    return x.transpose(0, 1).reshape(1, h, b * n, d)
+
+
+def batch_rows(x: Tensor, batch: int) -> Tensor:
+    """The inverse of flat_rows for [1, H, B * N, ...]."""
+    h, t = x.shape[1], x.shape[2]
+    return x.reshape(h, batch, t // batch, *x.shape[3:]).transpose(0, 1)
+
+
+@dataclass(frozen=True)
+class Cache:
+    """Queries that continue cached sequences: key_positions [B, Nk] (negative: padding or rows
+    past seqused_k), query_rows [B, Nq] (the key row each query stands at)."""
+    key_positions: Tensor
+    query_rows: Tensor
+
+
+def cache_of(nq: int, nk: int, batch: int, position_ids: Optional[Tensor],
+             seqused_k: Optional[Tensor], device) -> Cache:
+    """Queries are the last nq used key rows of each batch row (SPEC section 5, a cache)."""
+    rows = torch.arange(nk, device=device)
+    if position_ids is None:
+        key_positions = rows.expand(batch, nk)
+    else:
+        key_positions = position_ids.to(torch.int64).expand(batch, nk)
+    if seqused_k is None:
+        used = torch.full((batch,), nk, dtype=torch.int64, device=device)
+    else:
+        used = seqused_k.to(device=device, dtype=torch.int64)
+        key_positions = torch.where(rows < used.view(batch, 1), key_positions, -1)
+    query_rows = used.view(batch, 1) - nq + torch.arange(nq, device=device)
+    return Cache(key_positions.contiguous(), query_rows)
+
+
+def cached_query_positions(cache: Cache) -> Tensor:
+    """[B, Nq] positions of the queries (negative where the query stands on padding)."""
+    rows = cache.query_rows
+    inside = rows >= 0
+    pos = cache.key_positions.gather(1, rows.clamp(min=0))
+    return torch.where(inside, pos, -1)
+
+
+@functools.lru_cache(maxsize=256)
+def _tables(w: int, r: int, hilbert: bool, device: str) -> tuple[Tensor, Tensor]:
+    return class_members(w, r, hilbert).to(device), class_of(w, r, hilbert).to(device)
+
+
+def tables(w: int, r: int, hilbert: bool, device) -> tuple[Tensor, Tensor]:
+    """(class_members [r, w // r], class_of [2, w]) of a branch on `device`, copied there once."""
+    return _tables(int(w), int(r), bool(hilbert), str(torch.device(device)))
