@@ -1,0 +1,477 @@
+"""SPEC section 5 at the op: packed documents, padding and a KV cache, through the sequence
+interface of hilbert_fx.dilated_attention (position_ids, cu_seqlens, seqused_k; see
+/work/notes/sequences_api.md), against the independent float64 reference (tests/reference.py:
+section 2's reference on each sequence alone), forward and backward, both lowerings.
+
+Shapes are deliberately not multiples of the segments or of any tile; padding and a static
+cache's unused rows hold large junk, so that a leak into any real row shows.
+"""
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # Triton can only run interpreted here (SPEC section 3)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import hilbert_fx  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from reference import (position_ids_from_cu_seqlens, reference_dilated_attention,  # noqa: E402
+                       reference_sequences)
+
+BR_A = ([4, 8], [1, 2])
+BR_B = ([3, 6, 12], [1, 2, 4])
+JUNK = 30.0  # padding / unused cache rows are scaled by this: a leak cannot hide in rounding
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def require_triton():
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        pytest.skip(f"triton not importable: {e!r}")
+
+
+# ----------------------------------------------------------------------------- layouts
+
+def row_positions(items, n):
+    """Position ids of one row from a layout: a positive item is a document of that many tokens,
+    a negative one that many padding tokens (-1)."""
+    out = []
+    for x in items:
+        out += list(range(x)) if x > 0 else [-1] * (-x)
+    assert len(out) == n, (items, n)
+    return out
+
+
+def position_ids_of(layouts, n):
+    return torch.tensor([row_positions(items, n) for items in layouts], dtype=torch.int64)
+
+
+def cu_seqlens_of(layouts, n):
+    """FlashAttention's cu_seqlens for the same layouts (padding only at the very end)."""
+    cu, flat = [0], 0
+    for b, items in enumerate(layouts):
+        for x in items:
+            if x > 0:
+                assert cu[-1] == flat, "cu_seqlens can hold padding only after the last sequence"
+                flat += x
+                cu.append(flat)
+            else:
+                flat += -x
+        assert flat == (b + 1) * n
+    return torch.tensor(cu, dtype=torch.int32)
+
+
+# ----------------------------------------------------------------------------- comparison
+
+def assert_matches(got, ref, what, dtype, scale=None):
+    """||got - ref|| <= tol * ||ref|| (+ tol * scale per element) and element-wise close, tol
+    1e-5 in float32, 1e-10 in float64; scale: the size of the numbers involved (largest |ref|
+    of the problem, at least 1)."""
+    tol = TOL[dtype]
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert got.dtype == dtype, f"{what}: dtype {got.dtype}"
+    assert torch.isfinite(got).all(), f"{what}: non-finite values"
+    got, ref = got.detach().double(), ref.detach().double()
+    if scale is None:
+        scale = max(1.0, ref.abs().max().item()) if ref.numel() else 1.0
+    err, nrm = (got - ref).norm().item(), ref.norm().item()
+    assert err <= tol * nrm + tol * scale * math.sqrt(max(ref.numel(), 1)), \
+        f"{what}: ||got-ref|| = {err:.3g}, ||ref|| = {nrm:.3g}"
+    torch.testing.assert_close(got, ref, atol=tol * scale, rtol=tol, msg=lambda m: f"{what}: {m}")
+
+
+def query_key_rows(B, Nq, Nk, seqused_k):
+    used = [Nk] * B if seqused_k is None else [int(u) for u in seqused_k]
+    return [[used[b] - Nq + i for i in range(Nq)] for b in range(B)], used
+
+
+def run_case(*, B, Hq, Hkv, Nq, Nk, D, segs_rates, dtype=torch.float32, lowering="sdpa",
+             hilbert=False, causal=False, position_ids=None, cu_seqlens=None, seqused_k=None,
+             ref_position_ids=None, seed=0, Dv=None, op_position_ids=None):
+    """Draws q, k, v (junk on padding and unused cache rows), runs the op with the sequence
+    arguments given, the reference with position_ids (or ref_position_ids), and compares the
+    outputs and the gradients of sum(out * g) for one random g."""
+    torch.manual_seed(seed)
+    Dv = D if Dv is None else Dv
+    q = torch.randn(B, Hq, Nq, D, dtype=torch.float64)
+    k = torch.randn(B, Hkv, Nk, D, dtype=torch.float64)
+    v = torch.randn(B, Hkv, Nk, Dv, dtype=torch.float64)
+    ref_pos = position_ids if ref_position_ids is None else ref_position_ids
+    pos_rows = (torch.arange(Nk).expand(B, Nk) if ref_pos is None
+                else torch.as_tensor(ref_pos).expand(B, Nk)).tolist()
+    qrows, used = query_key_rows(B, Nq, Nk, None if seqused_k is None else seqused_k.tolist())
+    for b in range(B):
+        for r in range(Nk):
+            if pos_rows[b][r] < 0 or r >= used[b]:  # no key: padding or past the cache's end
+                k[b, :, r] *= JUNK
+                v[b, :, r] *= JUNK
+        for i, r in enumerate(qrows[b]):
+            if r < 0 or pos_rows[b][r] < 0:
+                q[b, :, i] *= JUNK
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    kw = dict(hilbert=hilbert, is_causal=causal, enable_gqa=Hq != Hkv)
+    seq_kw = {name: val for name, val in (("position_ids", position_ids if op_position_ids is None
+                                            else op_position_ids),
+                                           ("cu_seqlens", cu_seqlens), ("seqused_k", seqused_k))
+              if val is not None}
+    out = hilbert_fx.dilated_attention(q, k, v, *segs_rates, lowering=lowering, **seq_kw, **kw)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference_sequences(q64, k64, v64, *segs_rates, position_ids=ref_pos,
+                              seqused_k=seqused_k, **kw)
+    what = f"{lowering} {dtype} hilbert={hilbert} causal={causal} Hq={Hq} Hkv={Hkv} " \
+           f"pos={ref_pos.tolist() if ref_pos is not None else None} " \
+           f"cu={cu_seqlens.tolist() if cu_seqlens is not None else None} " \
+           f"seqused_k={seqused_k.tolist() if seqused_k is not None else None} Nq={Nq} Nk={Nk}"
+    assert_matches(out, ref, f"out [{what}]", dtype)
+    g = torch.randn(out.shape, dtype=torch.float64)
+    g_out = torch.autograd.grad(out, (q, k, v), g.to(dtype))
+    g_ref = torch.autograd.grad(ref, (q64, k64, v64), g)
+    scale = max([1.0] + [t.abs().max().item() for t in (ref, *g_ref) if t.numel()])
+    for name, a, e in zip("qkv", g_out, g_ref):
+        assert_matches(a, e, f"d{name} [{what}]", dtype, scale=scale)
+    return out, ref, g_out, g_ref
+
+
+# ----------------------------------------------------------------------------- packing
+
+N = 13
+PACKED = {  # B = 2, each row its own packing; documents shorter than a segment and spanning several
+    "ragged": [[5, 2, 6], [11, 1, 1]],
+    "short": [[1, 2, 3, 2, 1, 3, 1], [2, 2, 2, 2, 2, 3]],
+    "one_and_many": [[13], [4, 4, 5]],
+}
+PADDED = {  # padding anywhere: left, right, between documents
+    "left_right": [[-3, 10], [7, -6]],
+    "between": [[4, -2, 7], [-1, 5, -2, 5]],
+    "all_padding_row": [[-13], [6, 7]],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hilbert", [False, True])
+@pytest.mark.parametrize("branches", ["A", "B"])
+@pytest.mark.parametrize("layout", list(PACKED) + list(PADDED))
+def test_position_ids_sdpa(layout, branches, hilbert, causal, gqa, dtype):
+    layouts = {**PACKED, **PADDED}[layout]
+    Hkv = 2
+    run_case(B=2, Hq=2 * Hkv if gqa else Hkv, Hkv=Hkv, Nq=N, Nk=N, D=4,
+             segs_rates=BR_A if branches == "A" else BR_B, dtype=dtype, hilbert=hilbert,
+             causal=causal, position_ids=position_ids_of(layouts, N),
+             seed=sorted({**PACKED, **PADDED}).index(layout))
+
+
+CU_LAYOUTS = {  # padding only after the last sequence, as cu_seqlens can say
+    "ragged": [[5, 2, 6], [11, 1, 1]],
+    "short": [[1, 2, 3, 2, 1, 3, 1], [2, 2, 2, 2, 2, 3]],
+    "tail_padding": [[13], [4, 3, -6]],
+    "second_row_padding": [[2, 11], [-13]],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hilbert", [False, True])
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("layout", list(CU_LAYOUTS))
+def test_cu_seqlens_sdpa(layout, cu_dtype, hilbert, causal, dtype):
+    layouts = CU_LAYOUTS[layout]
+    cu = cu_seqlens_of(layouts, N).to(cu_dtype)
+    pos = position_ids_from_cu_seqlens(cu, 2, N)  # the reference's own reading of cu_seqlens
+    assert torch.equal(pos, position_ids_of(layouts, N))
+    run_case(B=2, Hq=4, Hkv=2, Nq=N, Nk=N, D=4, segs_rates=BR_B, dtype=dtype, hilbert=hilbert,
+             causal=causal, cu_seqlens=cu, ref_position_ids=pos, seed=7)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_position_ids_1d_broadcast_over_batch(causal):
+    pos = torch.tensor(row_positions([-2, 4, 7], N))
+    run_case(B=2, Hq=2, Hkv=2, Nq=N, Nk=N, D=4, segs_rates=BR_A, hilbert=True, causal=causal,
+             position_ids=pos, ref_position_ids=pos.expand(2, N), seed=3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_own_value_head_dim(causal):
+    """v with its own head dim (Dv = 6 against D = 4), packed and padded."""
+    run_case(B=2, Hq=4, Hkv=2, Nq=N, Nk=N, D=4, Dv=6, segs_rates=BR_B, hilbert=True,
+             causal=causal, position_ids=position_ids_of(PADDED["between"], N), seed=5)
+
+
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
+def test_position_ids_int32(pos_dtype):
+    pos = position_ids_of(PACKED["ragged"], N).to(pos_dtype)
+    run_case(B=2, Hq=2, Hkv=2, Nq=N, Nk=N, D=4, segs_rates=BR_A, hilbert=True, position_ids=pos,
+             ref_position_ids=pos.long(), seed=4)
+
+
+@pytest.mark.parametrize("hilbert", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_rows_equal_each_document_alone(hilbert, causal):
+    """Spelled out without reference_sequences: each document's rows of the packed call equal the
+    section-2 reference on that document alone (float32 op, float64 reference)."""
+    torch.manual_seed(21)
+    layouts = [[5, 2, 6], [1, 11, 1]]
+    q, k, v = (torch.randn(2, 4, N, 4, requires_grad=True) for _ in range(3))
+    out = hilbert_fx.dilated_attention(q, k, v, *BR_B, hilbert=hilbert, is_causal=causal,
+                                       position_ids=position_ids_of(layouts, N), lowering="sdpa")
+    g = torch.randn(out.shape)
+    gq, gk, gv = torch.autograd.grad(out, (q, k, v), g)
+    for b, items in enumerate(layouts):
+        start = 0
+        for n in items:
+            sl = slice(start, start + n)
+            qd, kd, vd = (t[b:b + 1, :, sl].detach().double().requires_grad_() for t in (q, k, v))
+            ref = reference_dilated_attention(qd, kd, vd, *BR_B, hilbert=hilbert,
+                                              is_causal=causal)
+            what = f"row {b} document [{start}, {start + n})"
+            assert_matches(out[b:b + 1, :, sl], ref, what, torch.float32)
+            eq, ek, ev = torch.autograd.grad(ref, (qd, kd, vd), g[b:b + 1, :, sl].double())
+            sc = max(1.0, *(t.abs().max().item() for t in (ref, eq, ek, ev)))
+            for name, a, e in (("q", gq, eq), ("k", gk, ek), ("v", gv, ev)):
+                assert_matches(a[b:b + 1, :, sl], e, f"d{name} {what}", torch.float32, scale=sc)
+            start += n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("hilbert", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("side", ["left", "right", "both"])
+def test_padding_equals_unpadded(side, causal, hilbert, dtype):
+    """The real tokens' rows (and gradients) of a padded row equal the op on the unpadded
+    sequence; padding rows are 0 and get no gradient."""
+    torch.manual_seed(22)
+    n = 9
+    before, after = {"left": (4, 0), "right": (0, 4), "both": (2, 2)}[side]
+    Np = before + n + after
+    sl = slice(before, before + n)
+    q0, k0, v0 = (torch.randn(1, 2, n, 4, dtype=dtype) for _ in range(3))
+
+    def pad(t):
+        junk = JUNK * torch.randn(1, 2, Np, 4, dtype=dtype)
+        junk[:, :, sl] = t
+        return junk.requires_grad_()
+
+    q, k, v = pad(q0), pad(k0), pad(v0)
+    pos = torch.full((1, Np), -1)
+    pos[0, sl] = torch.arange(n)
+    out = hilbert_fx.dilated_attention(q, k, v, *BR_A, hilbert=hilbert, is_causal=causal,
+                                       position_ids=pos, lowering="sdpa")
+    qd, kd, vd = (t.double().requires_grad_() for t in (q0, k0, v0))
+    ref = reference_dilated_attention(qd, kd, vd, *BR_A, hilbert=hilbert, is_causal=causal)
+    assert_matches(out[:, :, sl], ref, "real rows", dtype)
+    padding = torch.ones(Np, dtype=torch.bool)
+    padding[sl] = False
+    assert_matches(out[:, :, padding], torch.zeros(1, 2, Np - n, 4), "padding rows", dtype)
+    g = torch.randn(out.shape, dtype=dtype)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    exp = torch.autograd.grad(ref, (qd, kd, vd), g[:, :, sl].double())
+    sc = max(1.0, *(t.abs().max().item() for t in (ref, *exp)))
+    for name, a, e in zip("qkv", grads, exp):
+        assert_matches(a[:, :, sl], e, f"d{name} real rows", dtype, scale=sc)
+        assert_matches(a[:, :, padding], torch.zeros(1, 2, Np - n, 4), f"d{name} padding", dtype)
+
+
+# ----------------------------------------------------------------------------- a KV cache
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("hilbert", [False, True])
+@pytest.mark.parametrize("nq", [1, 3])
+@pytest.mark.parametrize("branches", ["A", "B"])
+def test_static_cache_seqused_k_sdpa(branches, nq, hilbert, gqa, dtype):
+    """A static cache of 16 rows holding 13 and 6 tokens (different lengths per row); the step's
+    nq queries are each row's last nq tokens; rows past seqused_k are junk."""
+    Hkv = 2
+    run_case(B=2, Hq=2 * Hkv if gqa else Hkv, Hkv=Hkv, Nq=nq, Nk=16, D=4,
+             segs_rates=BR_A if branches == "A" else BR_B, dtype=dtype, hilbert=hilbert,
+             causal=True, seqused_k=torch.tensor([13, 6], dtype=torch.int32), seed=nq)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("hilbert", [False, True])
+@pytest.mark.parametrize("nq", [1, 4, 12])
+def test_dynamic_cache_sdpa(nq, hilbert, gqa, dtype):
+    """k = cat(past, new) without seqused_k: every key row is used, the queries are the last nq."""
+    Hkv = 2
+    run_case(B=2, Hq=2 * Hkv if gqa else Hkv, Hkv=Hkv, Nq=nq, Nk=N, D=4, segs_rates=BR_B,
+             dtype=dtype, hilbert=hilbert, causal=True, seed=10 + nq)
+
+
+@pytest.mark.parametrize("hilbert", [False, True])
+@pytest.mark.parametrize("nq", [1, 2])
+def test_cache_with_left_padding_position_ids(nq, hilbert):
+    """Batched generation with left padding: position_ids -1 on the padding, a dynamic cache."""
+    layouts = [[-4, 9], [13]]
+    run_case(B=2, Hq=4, Hkv=2, Nq=nq, Nk=N, D=4, segs_rates=BR_A, hilbert=hilbert, causal=True,
+             position_ids=position_ids_of(layouts, N), seed=30 + nq)
+
+
+@pytest.mark.parametrize("nq", [1, 3])
+def test_static_cache_with_position_ids_and_seqused_k(nq):
+    """Left padding and a static cache: row 0 holds 2 padding tokens then 9 real ones of 16
+    rows, row 1 holds 12 real ones; the tail past seqused_k is junk."""
+    pos = torch.tensor([row_positions([-2, 14], 16), row_positions([16], 16)])
+    run_case(B=2, Hq=2, Hkv=2, Nq=nq, Nk=16, D=4, segs_rates=BR_B, hilbert=True, causal=True,
+             position_ids=pos, seqused_k=torch.tensor([11, 12]), seed=40 + nq)
+
+
+@pytest.mark.parametrize("hilbert", [False, True])
+@pytest.mark.parametrize("nq", [1, 5])
+def test_cache_rows_equal_full_rows(nq, hilbert):
+    """Spelled out without reference_sequences: a step's rows equal rows L - nq .. L - 1 of the
+    causal reference on the whole sequence (its earlier queries included), per row of the batch,
+    for a static cache with different lengths per row."""
+    torch.manual_seed(50)
+    lengths, Nk, Hq, Hkv, D = [14, 7], 16, 4, 2, 4
+    q_full = torch.randn(2, Hq, Nk, D)
+    k = torch.randn(2, Hkv, Nk, D)
+    v = torch.randn(2, Hkv, Nk, D)
+    for b, L in enumerate(lengths):
+        k[b, :, L:] *= JUNK
+        v[b, :, L:] *= JUNK
+    q = torch.stack([q_full[b, :, L - nq:L] for b, L in enumerate(lengths)]).requires_grad_()
+    k.requires_grad_()
+    v.requires_grad_()
+    out = hilbert_fx.dilated_attention(q, k, v, *BR_B, hilbert=hilbert, is_causal=True,
+                                       enable_gqa=True, seqused_k=torch.tensor(lengths),
+                                       lowering="sdpa")
+    g = torch.randn(out.shape)
+    gq, gk, gv = torch.autograd.grad(out, (q, k, v), g)
+    for b, L in enumerate(lengths):
+        qf = q_full[b:b + 1, :, :L].double()
+        qf[:, :, L - nq:] = q[b:b + 1].detach().double()
+        qf, kf, vf = (t.requires_grad_() for t in
+                      (qf, k[b:b + 1, :, :L].detach().double(), v[b:b + 1, :, :L].detach().double()))
+        full = reference_dilated_attention(qf, kf, vf, *BR_B, hilbert=hilbert, is_causal=True,
+                                           enable_gqa=True)
+        assert_matches(out[b:b + 1], full[:, :, L - nq:], f"row {b}", torch.float32)
+        eq, ek, ev = torch.autograd.grad(full[:, :, L - nq:], (qf, kf, vf), g[b:b + 1].double())
+        sc = max(1.0, *(t.abs().max().item() for t in (full, eq, ek, ev)))
+        assert_matches(gq[b:b + 1], eq[:, :, L - nq:], f"dq row {b}", torch.float32, scale=sc)
+        assert_matches(gk[b:b + 1, :, :L], ek, f"dk row {b}", torch.float32, scale=sc)
+        assert_matches(gv[b:b + 1, :, :L], ev, f"dv row {b}", torch.float32, scale=sc)
+        zeros = torch.zeros(1, Hkv, Nk - L, D)
+        assert_matches(gk[b:b + 1, :, L:], zeros, f"dk unused cache rows {b}", torch.float32)
+        assert_matches(gv[b:b + 1, :, L:], zeros, f"dv unused cache rows {b}", torch.float32)
+
+
+def test_decode_step_by_step_equals_full_causal_op():
+    """A model decoded token by token computes what it was trained to compute: each decoding step
+    (nq = 1, dynamic cache) equals that row of the op on the whole sequence (causal)."""
+    torch.manual_seed(51)
+    q, k, v = (torch.randn(1, 2, N, 4, dtype=torch.float64) for _ in range(3))
+    full = reference_dilated_attention(q, k, v, *BR_A, hilbert=True, is_causal=True)
+    for L in range(1, N + 1):
+        step = hilbert_fx.dilated_attention(q[:, :, L - 1:L], k[:, :, :L], v[:, :, :L], *BR_A,
+                                            hilbert=True, is_causal=True, lowering="sdpa")
+        assert_matches(step, full[:, :, L - 1:L], f"step {L}", torch.float64)
+
+
+# ----------------------------------------------------------------------------- Triton
+
+TRITON_CASES = {  # few and small: the kernels run under the interpreter on CPU
+    "packed_hilbert": dict(B=2, Hq=2, Hkv=2, Nq=N, Nk=N, hilbert=True, causal=False,
+                           position_ids=position_ids_of(PACKED["ragged"], N)),
+    "padded_causal_gqa": dict(B=2, Hq=4, Hkv=2, Nq=N, Nk=N, hilbert=False, causal=True,
+                              position_ids=position_ids_of(PADDED["between"], N)),
+    "cu_seqlens": dict(B=2, Hq=2, Hkv=2, Nq=N, Nk=N, hilbert=True, causal=True,
+                       cu_seqlens=cu_seqlens_of(CU_LAYOUTS["tail_padding"], N),
+                       ref_position_ids=position_ids_of(CU_LAYOUTS["tail_padding"], N)),
+    "decode_seqused_k": dict(B=2, Hq=4, Hkv=2, Nq=1, Nk=16, hilbert=True, causal=True,
+                             seqused_k=torch.tensor([13, 6], dtype=torch.int32)),
+    "prefill_chunk_dynamic": dict(B=2, Hq=2, Hkv=2, Nq=3, Nk=N, hilbert=False, causal=True),
+}
+
+
+@pytest.mark.parametrize("case", list(TRITON_CASES))
+def test_triton(case):
+    require_triton()
+    run_case(D=4, segs_rates=BR_A, lowering="triton", seed=60, **TRITON_CASES[case])
+
+
+# ----------------------------------------------------------------------------- errors
+
+def _qkv(B=2, H=2, Nq=6, Nk=6, D=4):
+    return torch.randn(B, H, Nq, D), torch.randn(B, H, Nk, D), torch.randn(B, H, Nk, D)
+
+
+def _raises(match, q, k, v, **kw):
+    kw.setdefault("lowering", "sdpa")
+    with pytest.raises(ValueError, match=match):
+        hilbert_fx.dilated_attention(q, k, v, [4], [1], **kw)
+
+
+@pytest.mark.parametrize("arg", ["position_ids", "cu_seqlens", "seqused_k"])
+def test_error_attn_mask_with_sequence_argument(arg):
+    q, k, v = _qkv()
+    value = {"position_ids": torch.arange(6).expand(2, 6),
+             "cu_seqlens": torch.tensor([0, 6, 12], dtype=torch.int32),
+             "seqused_k": torch.tensor([6, 6], dtype=torch.int32)}[arg]
+    mask = torch.ones(6, 6, dtype=torch.bool)
+    _raises(rf"(?s)(attn_mask.*{arg}|{arg}.*attn_mask)", q, k, v, attn_mask=mask, **{arg: value})
+
+
+def test_error_shorter_q_without_is_causal():
+    q, k, v = _qkv(Nq=2, Nk=6)
+    _raises("is_causal", q, k, v)
+    _raises("is_causal", q, k, v, seqused_k=torch.tensor([6, 5]))
+
+
+def test_error_seqused_k_without_is_causal():
+    q, k, v = _qkv(Nq=6, Nk=6)
+    _raises("(?s)(seqused_k.*is_causal|is_causal.*seqused_k)", q, k, v,
+            seqused_k=torch.tensor([6, 6]))
+
+
+def test_error_longer_q_than_k():
+    q, k, v = _qkv(Nq=7, Nk=6)
+    _raises(r"(?s)\bq\b.*\bk\b", q, k, v, is_causal=True)
+    _raises(r"(?s)\bq\b.*\bk\b", q, k, v)
+
+
+def test_error_position_ids_and_cu_seqlens():
+    q, k, v = _qkv()
+    _raises("(?s)(position_ids.*cu_seqlens|cu_seqlens.*position_ids)", q, k, v,
+            position_ids=torch.arange(6).expand(2, 6),
+            cu_seqlens=torch.tensor([0, 6, 12], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("bad", ["float", "bool", "batch", "length", "3d", "0d"])
+def test_error_position_ids_shape_dtype(bad):
+    q, k, v = _qkv(B=2, Nq=6, Nk=6)
+    good = torch.arange(6).expand(2, 6)
+    value = {"float": good.float(), "bool": good >= 0, "batch": torch.arange(6).expand(3, 6),
+             "length": torch.arange(7).expand(2, 7), "3d": good[None],
+             "0d": torch.tensor(0)}[bad]
+    _raises("position_ids", q, k, v, position_ids=value)
+
+
+def test_error_position_ids_length_against_k_in_a_cache():
+    """position_ids describe the KEY rows: [B, Nk], not [B, Nq]."""
+    q, k, v = _qkv(Nq=2, Nk=6)
+    _raises("position_ids", q, k, v, is_causal=True, position_ids=torch.arange(2).expand(2, 2))
+
+
+@pytest.mark.parametrize("bad", ["float", "2d", "0d"])
+def test_error_cu_seqlens_shape_dtype(bad):
+    q, k, v = _qkv()
+    good = torch.tensor([0, 6, 12], dtype=torch.int32)
+    value = {"float": good.float(), "2d": good[None], "0d": torch.tensor(12)}[bad]
+    _raises("cu_seqlens", q, k, v, cu_seqlens=value)
+
+
+@pytest.mark.parametrize("bad", ["float", "batch", "2d", "0d"])
+def test_error_seqused_k_shape_dtype(bad):
+    q, k, v = _qkv(Nq=1, Nk=6)
+    good = torch.tensor([6, 4], dtype=torch.int32)
+    value = {"float": good.float(), "batch": torch.tensor([6, 4, 5]), "2d": good[None],
+             "0d": torch.tensor(6)}[bad]
+    _raises("seqused_k", q, k, v, is_causal=True, seqused_k=value)
