@@ -17,11 +17,10 @@ from .sequences import Cache, cached_query_positions, tables
 NEG_INF = float("-inf")
 
 
-def _branch(q, k, v, cache: Cache, positions: Tensor, w: int, r: int, hilbert: bool,
-            scale: float) -> tuple[Tensor, Tensor]:
-    """(out [B, Hq, Nq, Dv], lse [B, Hq, Nq]) of one branch in q's dtype / float32 or wider."""
-    b, hq, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
+def _keys(q, k, cache: Cache, positions: Tensor, w: int, r: int, hilbert: bool):
+    """(key_rows [B, Nq, L], allowed [B, Hq, Nq, L]) of one branch: the key rows of each query's
+    set (L = w // r) and which of them it attends to (causal; only heads of its class)."""
+    hq, nk = q.shape[1], k.shape[2]
     members, classes = tables(w, r, hilbert, q.device)
     p = positions.clamp(min=0)
     c = p % w
@@ -32,23 +31,39 @@ def _branch(q, k, v, cache: Cache, positions: Tensor, w: int, r: int, hilbert: b
     allowed = (own <= c.unsqueeze(-1)) & (positions >= 0).unsqueeze(-1)  # [B, Nq, L]
     heads = torch.arange(hq, device=q.device)
     takes_part = (heads.view(1, hq, 1) % r) == cls.unsqueeze(1)  # [B, Hq, Nq]
-    allowed = allowed.unsqueeze(1) & takes_part.unsqueeze(-1)  # [B, Hq, Nq, L]
+    return key_rows, allowed.unsqueeze(1) & takes_part.unsqueeze(-1)
 
-    batch = torch.arange(b, device=q.device).view(b, 1, 1)
-    kg = k.transpose(1, 2)[batch, key_rows]  # [B, Nq, L, Hkv, D]
-    vg = v.transpose(1, 2)[batch, key_rows]
-    group = hq // hkv
-    qg = q.view(b, hkv, group, nq, d)
-    scores = torch.einsum("bkgnd,bnlkd->bkgnl", qg, kg).reshape(b, hq, nq, -1) * scale
+
+def _gather(x: Tensor, key_rows: Tensor) -> Tensor:
+    """x [B, Hkv, Nk, D] at key_rows [B, Nq, L] -> [B, Nq, L, Hkv, D]."""
+    batch = torch.arange(x.shape[0], device=x.device).view(-1, 1, 1)
+    return x.transpose(1, 2)[batch, key_rows]
+
+
+def _scores(q, kg, scale):
+    """q [B, Hq, Nq, D], kg [B, Nq, L, Hkv, D] -> [B, Hq, Nq, L] in float32 or wider."""
+    b, hq, nq, d = q.shape
+    hkv = kg.shape[3]
+    qg = q.view(b, hkv, hq // hkv, nq, d)
     wide = torch.promote_types(q.dtype, torch.float32)
+    return torch.einsum("bkgnd,bnlkd->bkgnl", qg, kg).reshape(b, hq, nq, -1).to(wide) * scale
+
+
+def _branch(q, k, v, cache: Cache, positions: Tensor, w: int, r: int, hilbert: bool,
+            scale: float) -> tuple[Tensor, Tensor]:
+    """(out [B, Hq, Nq, Dv], lse [B, Hq, Nq]) of one branch in q's dtype / float32 or wider."""
+    b, hq, nq, _ = q.shape
+    hkv = k.shape[1]
+    key_rows, allowed = _keys(q, k, cache, positions, w, r, hilbert)
+    scores = _scores(q, _gather(k, key_rows), scale)
     has_key = allowed.any(-1)
-    # rows with no key keep finite scores (0) so that no gradient of theirs is NaN; their lse
-    # is set to -inf afterwards and their probabilities to 0
-    scores = scores.to(wide).masked_fill(~allowed & has_key.unsqueeze(-1), NEG_INF)
+    # rows with no key keep finite scores (0) until their lse is set to -inf
+    scores = scores.masked_fill(~allowed & has_key.unsqueeze(-1), NEG_INF)
     scores = scores.masked_fill(~has_key.unsqueeze(-1), 0.0)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(~allowed, 0.0).to(q.dtype)
-    out = torch.einsum("bkgnl,bnlkd->bkgnd", probs.view(b, hkv, group, nq, -1), vg)
+    out = torch.einsum("bkgnl,bnlkd->bkgnd", probs.view(b, hkv, hq // hkv, nq, -1),
+                       _gather(v, key_rows))
     return out.reshape(b, hq, nq, v.shape[-1]), lse.masked_fill(~has_key, NEG_INF)
 
 
@@ -73,3 +88,37 @@ def decode_forward(q: Tensor, k: Tensor, v: Tensor, key_positions: Tensor, query
     out = out / total.masked_fill(empty, 1.0).unsqueeze(-1)
     lse = torch.where(empty, NEG_INF, base + torch.log(total.masked_fill(empty, 1.0)))
     return out.to(q.dtype), lse
+
+
+def decode_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    key_positions: Tensor, query_rows: Tensor, segment_lengths, dilation_rates,
+                    hilbert: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) given the final out and lse: the merged output is one softmax over every
+    (branch, key) pair a query attends to, normalised by the final lse, so each branch's share
+    is FlashAttention's backward with P = exp(S - lse) and Delta = rowsum(dO * O)."""
+    cache = Cache(key_positions, query_rows)
+    positions = cached_query_positions(cache)
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    wide = torch.promote_types(q.dtype, torch.float32)
+    lse_safe = lse.to(wide).masked_fill(lse == NEG_INF, float("inf")).unsqueeze(-1)  # P = 0
+    dout_w = dout.to(wide)
+    delta = (dout_w * out.to(wide)).sum(-1, keepdim=True)  # [B, Hq, Nq, 1]
+    dq = torch.zeros(b, hq, nq, d, dtype=wide, device=q.device)
+    dk = torch.zeros(b, nk, hkv, d, dtype=wide, device=q.device)
+    dv = torch.zeros(b, nk, hkv, v.shape[-1], dtype=wide, device=q.device)
+    batch = torch.arange(b, device=q.device).view(b, 1, 1)
+    for w, r in zip(segment_lengths, dilation_rates):
+        key_rows, allowed = _keys(q, k, cache, positions, w, r, hilbert)
+        kg, vg = _gather(k, key_rows).to(wide), _gather(v, key_rows).to(wide)  # [B, Nq, L, Hkv, *]
+        probs = torch.exp(_scores(q, kg, scale) - lse_safe).masked_fill(~allowed, 0.0)
+        probs = probs.view(b, hkv, group, nq, -1)
+        dprobs = torch.einsum("bkgnd,bnlkd->bkgnl", dout_w.view(b, hkv, group, nq, -1), vg)
+        dscores = probs * (dprobs - delta.view(b, hkv, group, nq, 1)) * scale
+        dq += torch.einsum("bkgnl,bnlkd->bkgnd", dscores, kg).reshape(b, hq, nq, d)
+        gk = torch.einsum("bkgnl,bkgnd->bnlkd", dscores, q.to(wide).view(b, hkv, group, nq, d))
+        gv = torch.einsum("bkgnl,bkgnd->bnlkd", probs, dout_w.view(b, hkv, group, nq, -1))
+        dk.index_put_((batch, key_rows), gk, accumulate=True)
+        dv.index_put_((batch, key_rows), gv, accumulate=True)
+    return dq.to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)

@@ -173,12 +173,10 @@ def _backward_in(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbe
                               attn_mask=attn_mask, scale=scale, dropout_p=dropout_p, seed=seed)
     kind, what = rows
     if kind == "cache" and q.shape[2] <= sequences.DECODE_MAX_QUERIES:
-        # decoding has no backward kernel: differentiate decode.py's torch operations
-        with torch.enable_grad():
-            inputs = [x.detach().requires_grad_() for x in (q, k, v)]
-            o, _ = decode.decode_forward(*inputs, what.key_positions, what.query_rows,
-                                         segment_lengths, dilation_rates, hilbert, scale)
-            return torch.autograd.grad(o, inputs, dout.to(o.dtype))
+        # few queries (a decoding step) have no backward kernel: decode.py's torch operations
+        return decode.decode_backward(dout, q, k, v, out, lse, what.key_positions,
+                                      what.query_rows, segment_lengths, dilation_rates, hilbert,
+                                      scale)
     b, nk = q.shape[0], k.shape[2]
     if kind == "cache":  # the gradients of the rows that hold no query are 0 (dout 0 there)
         positions, rows_q = what.key_positions, what.query_rows

@@ -1,0 +1,284 @@
+"""Sequences on one GPU (SPEC section 5): a check against the float64 reference, then the timings
+of BENCHMARKS.md's "Packed documents and decoding".
+
+    PYTHONPATH=.:tests python scripts/sequences_bench.py --steps check packed decode model --out $OUT
+
+check    packed rows (ragged, padding, B = 2), cached queries (Nq = 1 and 5, per-row cache lengths)
+         against tests/reference.py, out and gradients, every lowering; exits non-zero on a failure
+packed   a 64K row of documents of 1K to 16K tokens, causal, bf16, H = 16, D = 128: the op with
+         position_ids against the same documents one by one and against FlexAttention with the
+         document mask and the dilated pattern; forward and forward+backward; peak memory
+decode   one query per row against a cache of 8K, 32K and 128K tokens: the op against dense SDPA
+         over the whole cache; CPU time to issue a call, GPU time per call, and a CUDA graph's
+model    a 12-layer Llama (width 1024) generating with the compiled forward after a prompt of
+         8K, 32K and 128K tokens: time per new token, dilated against dense
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from reference import reference_sequences  # noqa: E402
+
+import hilbert_fx  # noqa: E402
+from hilbert_fx.lowering import dilated_attention  # noqa: E402
+from hilbert_fx.lowering.plans import class_of  # noqa: E402
+
+BRANCHES = ((2048, 4096, 8192, 16384), (1, 2, 4, 8))
+DOCS = (16384, 1024, 8192, 4096, 12288, 2048, 6144, 3072, 9216, 1024, 2048)  # 65536 tokens
+
+
+def log(out, text):
+    print(text, flush=True)
+    with open(os.path.join(out, "sequences.txt"), "a") as f:
+        f.write(text + "\n")
+
+
+def rel(x, ref):
+    return ((x.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------------- check
+
+
+def check(out, device, lowerings=("sdpa", "triton")):
+    torch.manual_seed(0)
+    w, r = (64, 128, 256), (1, 2, 4)
+    failures = 0
+    cases = []
+    pos_packed = torch.cat([torch.arange(n) for n in (37, 200, 64, 90)] + [torch.full((9,), -1)])
+    pos_left = torch.cat([torch.full((30,), -1), torch.arange(370)])
+    cases.append(("packed+padding", dict(position_ids=torch.stack([pos_packed, pos_left])), 400, 400))
+    cases.append(("decode Nq=1", dict(seqused_k=torch.tensor([700, 333])), 1, 700))
+    cases.append(("chunk Nq=5 left pad", dict(position_ids=torch.cat(
+        [torch.full((50,), -1), torch.arange(650)]).expand(2, 700)), 5, 700))
+    cases.append(("chunk Nq=40", dict(seqused_k=torch.tensor([512, 611])), 40, 700))
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
+        for lowering in lowerings:
+            for hilbert, (name, kw, nq, nk), causal in itertools.product((False, True), cases,
+                                                                         (False, True)):
+                if not causal and nq < nk:  # a cache continuation is causal
+                    continue
+                q = torch.randn(2, 8, nq, 64, device=device, dtype=dtype, requires_grad=True)
+                k = torch.randn(2, 4, nk, 64, device=device, dtype=dtype, requires_grad=True)
+                v = torch.randn(2, 4, nk, 64, device=device, dtype=dtype, requires_grad=True)
+                kwd = {a: t.to(device) for a, t in kw.items()}
+                o = dilated_attention(q, k, v, w, r, hilbert=hilbert, is_causal=causal,
+                                      enable_gqa=True, lowering=lowering, **kwd)
+                g = torch.randn_like(o)
+                o.backward(g)
+                qd, kd, vd = (x.detach().double().cpu().requires_grad_() for x in (q, k, v))
+                ref = reference_sequences(qd, kd, vd, w, r, hilbert=hilbert, is_causal=causal,
+                                          enable_gqa=True, **kw)
+                ref.backward(g.double().cpu())
+                errs = [rel(o.detach(), ref.detach())] + [rel(x.grad, y.grad) for x, y in
+                                                          ((q, qd), (k, kd), (v, vd))]
+                ok = all(e < tol for e in errs)
+                failures += not ok
+                log(out, f"{'ok  ' if ok else 'FAIL'} {str(dtype)[6:]:9s} {lowering:6s} "
+                         f"hilbert={hilbert!s:5s} causal={causal!s:5s} {name:22s} out {errs[0]:.1e} dq {errs[1]:.1e} "
+                         f"dk {errs[2]:.1e} dv {errs[3]:.1e}")
+    return failures
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def gpu_time(fn, reps=20):
+    """(CPU us to issue one call, GPU us per call over reps calls back to back), medians of 3."""
+    fn()
+    torch.cuda.synchronize()
+    cpu, gpu = [], []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        cpu.append((time.perf_counter() - t0) / reps * 1e6)
+        torch.cuda.synchronize()
+        gpu.append(start.elapsed_time(end) / reps * 1e3)
+    return sorted(cpu)[1], sorted(gpu)[1]
+
+
+def graph_time(fn, reps=20):
+    """GPU us per replay of a CUDA graph of fn (None if it cannot be captured)."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return gpu_time(graph.replay, reps)[1]
+    except Exception as e:  # noqa: BLE001 - reported, not hidden
+        print(f"  (no CUDA graph: {type(e).__name__}: {str(e)[:200]})")
+        return None
+
+
+def packed(out, device):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    n, h, d = sum(DOCS), 16, 128
+    w, r = BRANCHES
+    pos = torch.cat([torch.arange(x) for x in DOCS]).to(device)
+    q, k, v = (torch.randn(1, h, n, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    starts = [0]
+    for x in DOCS:
+        starts.append(starts[-1] + x)
+
+    def op():
+        return dilated_attention(q, k, v, w, r, hilbert=True, is_causal=True, position_ids=pos)
+
+    def one_by_one():
+        return torch.cat([dilated_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], w, r,
+                                            hilbert=True, is_causal=True)
+                          for a, b in zip(starts, starts[1:])], dim=2)
+
+    # FlexAttention: each branch a mask (same document, same segment, the head's class, causal),
+    # merged by log-sum-exp as the op does
+    doc = torch.repeat_interleave(torch.arange(len(DOCS), device=device),
+                                  torch.tensor(DOCS, device=device))
+    flex = torch.compile(flex_attention)
+    masks = []
+    for wi, ri in zip(w, r):
+        cls = class_of(wi, ri, True)[0].to(device)
+
+        def mask_mod(b, hd, qi, ki, wi=wi, ri=ri, cls=cls):
+            same = (doc[qi] == doc[ki]) & (pos[qi] // wi == pos[ki] // wi)
+            return same & (cls[pos[qi] % wi] == hd % ri) & (cls[pos[ki] % wi] == hd % ri) & (ki <= qi)
+        masks.append(create_block_mask(mask_mod, 1, h, n, n, device=device))
+
+    def flex_op():
+        outs, lses = zip(*(flex(q, k, v, block_mask=m, return_lse=True) for m in masks))
+        lse = torch.stack(lses).float()
+        top = torch.logsumexp(lse, 0)
+        return sum(o * torch.exp(l - top).unsqueeze(-1).to(o.dtype) for o, l in zip(outs, lses))
+
+    with torch.no_grad():
+        ref = one_by_one()
+        err = (op() - ref).abs().max().item()
+        ferr = (flex_op() - ref).abs().max().item()
+    log(out, f"packed 64K: op vs one by one max |diff| {err:.2e}, flex vs one by one {ferr:.2e}")
+    log(out, "| method | forward ms | forward+backward ms | peak memory GiB (fwd+bwd) |")
+    log(out, "|---|---|---|---|")
+    for name, fn in (("op, position_ids", op), ("documents one by one", one_by_one),
+                     ("FlexAttention, document mask", flex_op)):
+        with torch.no_grad():
+            _, fwd = gpu_time(fn, reps=5)
+        grad = torch.randn(1, h, n, d, device=device, dtype=torch.bfloat16)
+
+        def step():
+            fn().backward(grad)
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        _, both = gpu_time(step, reps=5)
+        log(out, f"| {name} | {fwd / 1e3:.2f} | {both / 1e3:.2f} | {peak:.2f} |")
+
+
+def decode(out, device):
+    h, d = 16, 128
+    w, r = BRANCHES
+    log(out, "| cache | op CPU us | op GPU us | op graph us | SDPA CPU us | SDPA GPU us | SDPA graph us |")
+    log(out, "|---|---|---|---|---|---|---|")
+    for length in (8192, 32768, 131072):
+        q = torch.randn(1, h, 1, d, device=device, dtype=torch.bfloat16)
+        k, v = (torch.randn(1, h, length, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+        with torch.no_grad():
+            full = dilated_attention(torch.cat([torch.zeros_like(k[:, :, :-1]), q], 2), k, v, w, r,
+                                     hilbert=True, is_causal=True)[:, :, -1:]
+            got = dilated_attention(q, k, v, w, r, hilbert=True, is_causal=True)
+        err = (got.float() - full.float()).abs().max().item()
+
+        def op():
+            return dilated_attention(q, k, v, w, r, hilbert=True, is_causal=True)
+
+        def dense():
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        with torch.no_grad():
+            oc, og = gpu_time(op)
+            dc, dg = gpu_time(dense)
+            ograph, dgraph = graph_time(op), graph_time(dense)
+        fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
+        log(out, f"| {length // 1024}K | {oc:.0f} | {og:.0f} | {fmt(ograph)} | {dc:.0f} | {dg:.0f} "
+                 f"| {fmt(dgraph)} |  (decode vs full row max |diff| {err:.1e})")
+
+
+def model(out, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                         num_attention_heads=16, num_key_value_heads=16, vocab_size=1024,
+                         max_position_embeddings=140000)
+    w, r = BRANCHES
+    log(out, "| prompt | dense ms/token | dilated ms/token | dense / dilated |")
+    log(out, "|---|---|---|---|")
+    for length in (8192, 32768, 131072):
+        times = {}
+        for name in ("dense", "dilated"):
+            torch.manual_seed(0)
+            config._attn_implementation = "sdpa"
+            m = LlamaForCausalLM(config).to(device, torch.bfloat16).eval()
+            backend = "inductor" if name == "dense" else hilbert_fx.backend(
+                segment_lengths=w, dilation_rates=r, hilbert=True)
+            m.forward = torch.compile(m.forward, backend=backend, dynamic=True)
+            prompt = torch.randint(0, 1024, (1, length), device=device)
+            with torch.no_grad():
+                m.generate(prompt, max_new_tokens=4, do_sample=False)  # compiles
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                m.generate(prompt, max_new_tokens=1, do_sample=False)
+                torch.cuda.synchronize()
+                prefill = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                m.generate(prompt, max_new_tokens=33, do_sample=False)
+                torch.cuda.synchronize()
+                times[name] = (time.perf_counter() - t0 - prefill) / 32 * 1e3
+            del m
+            torch.cuda.empty_cache()
+        log(out, f"| {length // 1024}K | {times['dense']:.2f} | {times['dilated']:.2f} | "
+                 f"{times['dense'] / times['dilated']:.2f}x |")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", nargs="+", default=["check", "packed", "decode", "model"])
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    p.add_argument("--device", default="cuda", help="cpu runs the check only (sdpa lowering)")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        sys.exit(1 if check(args.out, device, ("sdpa",)) else 0)
+    log(args.out, f"{torch.cuda.get_device_name()} torch {torch.__version__}")
+    failures = 0
+    for step in args.steps:
+        log(args.out, f"=== {step}")
+        try:
+            result = {"check": check, "packed": packed, "decode": decode, "model": model}[step](
+                args.out, device)
+            failures += result or 0
+        except Exception as e:  # noqa: BLE001 - a failed step fails the run, the others still run
+            import traceback
+            traceback.print_exc()
+            log(args.out, f"FAILED step {step}: {type(e).__name__}: {e}")
+            failures += 1
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
