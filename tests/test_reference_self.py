@@ -282,7 +282,8 @@ def test_sequences_padded_row_equals_unpadded(hilbert, causal, side):
     eq, ek, ev = torch.autograd.grad(exp, (q0, k0, v0), g[:, :, sl])
     for a, e in ((gq, eq), (gk, ek), (gv, ev)):
         torch.testing.assert_close(a[:, :, sl], e, rtol=0, atol=0)
-        assert torch.equal(a[:, :, pad], torch.zeros_like(a[:, :, pad]))  # padding: no key, no query
+        # padding: no key, no query
+        assert torch.equal(a[:, :, pad], torch.zeros_like(a[:, :, pad]))
 
 
 @pytest.mark.parametrize("hilbert", [False, True])

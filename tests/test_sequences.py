@@ -348,8 +348,8 @@ def test_cache_rows_equal_full_rows(nq, hilbert):
     for b, L in enumerate(lengths):
         qf = q_full[b:b + 1, :, :L].double()
         qf[:, :, L - nq:] = q[b:b + 1].detach().double()
-        qf, kf, vf = (t.requires_grad_() for t in
-                      (qf, k[b:b + 1, :, :L].detach().double(), v[b:b + 1, :, :L].detach().double()))
+        kf, vf = (t[b:b + 1, :, :L].detach().double() for t in (k, v))
+        qf, kf, vf = (t.requires_grad_() for t in (qf, kf, vf))
         full = reference_dilated_attention(qf, kf, vf, *BR_B, hilbert=hilbert, is_causal=True,
                                            enable_gqa=True)
         assert_matches(out[b:b + 1], full[:, :, L - nq:], f"row {b}", torch.float32)
