@@ -1,83 +1,73 @@
-"""The communication plan of dilated attention over a 1-D device mesh (SPEC section 4).
+"""The plan of dilated attention over a 1-D device mesh (SPEC section 4): what travels between
+ranks, and the branch plans (lowering/plans.py) on which a lowering computes one rank's rows.
 
 The sequence of global length N = P * n is cut into P contiguous shards; rank i owns positions
 [i*n, (i+1)*n). For a branch (w, r), a segment lies either inside one shard ("interior": it
 needs no communication at all) or across several ("cross"). A shard boundary cuts at most one
-segment per branch, so a rank meets at most two cross segments per branch.
+segment per branch, so a rank meets at most two cross segments per branch unless w > n.
 
-For a cross segment j and query head h (offset o = h % r, key/value head c = h // (Hq / Hkv)),
-rank i needs the rows of the selected set positions[o, j] that other ranks own. Since the set is
-kept in ascending order and shards are contiguous, each rank's share of it is a contiguous slice.
-What travels from rank src to rank dst is, for every cross segment they share and every *unit*
-(c, o) used by some query head, src's slice of that unit's rows: only selected rows, each at most
-once per (unit, segment) even when several query heads (GQA) read it. Under is_causal only lower
-ranks send to higher ones (keys from higher ranks all lie in the queries' future).
+What travels. For a cross segment j and query head h (offset o = h % r, key/value head
+c = h // (Hq / Hkv)), rank i needs the rows of the selected set positions[o, j] that other ranks
+own. Since the set is kept in ascending order and shards are contiguous, each rank's share of it
+is a contiguous slice. What travels from rank src to rank dst is, for every cross segment they
+share and every *unit* (c, o) used by some query head, src's slice of that unit's rows: only
+selected rows, each at most once per (unit, segment) even when several query heads (GQA) read
+it. Under is_causal only lower ranks send to higher ones (keys from higher ranks all lie in the
+queries' future). One message per peer and direction (`Step`).
+
+What a rank computes: every set (branch, offset o, segment j) that holds some of its positions,
+as two calls of a lowering's forward (or backward), whose results are merged by log-sum-exp on
+the rows the second call covers:
+
+- `local_plans`, over the shard's n rows: every set none of whose members comes from a peer
+  (interior segments, and the slices of cross segments that receive nothing, as rank 0's under
+  is_causal). It needs no message, so it runs while the rows travel. When nothing is received
+  this is `shard_branch_plans`, which where the shard's edges fall on segment edges is the
+  single-device plan of a sequence of n positions (strided: the kernels reach rows by
+  arithmetic).
+- `cross_plans`, over an *extended row*: every set with members from peers, whole, its members
+  listed in ascending global position order, so that causal attention is the order within the
+  set as on one device. The extended row is `cross_rows` (the local rows of those sets,
+  ascending) followed by every distinct global position received (ascending); its keys and
+  values are those rows of k, v and of the received messages, its queries those rows of q (the
+  received rows' queries are zeros: their outputs are dropped, see below). `ext_positions` gives
+  each extended row's global position, which dropout hashes (lowering/dropout.py).
+
+Received rows are queries too in the second call, because a lowering's set makes every member
+both a query and a key. Their results are not this rank's and are dropped; the backward gives
+them dout 0, which makes their share of every gradient 0. That work is wasted: per cross set,
+(members received) x (members) query-key pairs beyond the (local members) x (members) needed,
+i.e. the set's work times (ranks sharing it - 1) when shares are equal. It is small where the
+cross segments are those of high dilation (a branch's work per head is N w / r^2), as in the
+benchmark's branch that spans every GPU. Avoiding it needs sets whose query members are a
+sub-run of the set (the local slice is one contiguous run in the set's order), which the
+lowerings do not take yet.
+
+Gradients of received rows go back to their owners (`Step` in reverse), one row per row
+received: a (kv head, global position) that arrived more than once (two branches select it)
+carries its total on its first arrival (`recv_first`) and 0 on the others, so the owner's sum
+over what comes back is the row's gradient. `grad_heads/grad_rows` number the rows this rank
+sent, once each, so that what comes back is added on those rows only.
 
 Everything here is a pure function of (N, P, branches, heads, causal), so every rank computes the
 same plan and both sides of every message agree on its size and layout without exchanging it.
-
-Blocks the compute runs on rank i:
-- LocalBlock: queries and keys are the same selected sets (interior segments, and rank i's part
-  of each cross segment), as local rows; padded to the longest set with row n (a spare row).
-- PeerBlock: rank i's selected queries of a cross segment against the rows of it received from
-  every peer, one peer's after another; keys index the concatenation of all received rows (the
-  steps' messages in order), so that each cross segment is one block whatever the number of
-  peers.
-
-With the Triton lowering (lowering/ring.py), the local part is not cut into LocalBlocks: it is the
-single-device op's kernels run on the shard with *shard plans* (`shard_branch_plans`), one
-BranchPlan per branch whose segments are the parts of the global segments that lie in the shard,
-in local rows. Where the shard's edges fall on segment edges this is exactly the plan of the
-single-device op on a sequence of n positions; otherwise its sets are listed explicitly. Every
-position a branch selects in the shard belongs to exactly one set of the shard plan, so a branch
-with r == 1 covers every local row (the Triton lowering relies on that). The peer blocks' query
-rows are also numbered compactly (`RingPlan.peer_heads/peer_rows`, `PeerBlock.q_slot`), and the
-rows whose gradients come back from peers likewise (`RingPlan.grad_heads/grad_rows`,
-`Step.grad_slot`), so that the peers' share is merged into the kernels' full-size results in
-float32 without a full-size float32 copy.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .plans import BranchPlan, branch_plan
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
+def _longs(values=()) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.long)
 
 
-# Padded key lengths are rounded up to this, so that a key-padding bias needs no re-alignment
-# by the CUDA memory-efficient kernel (which wants a bias row stride that is a multiple of 16).
-KEY_ALIGN = 16
-
-
-@dataclass
-class LocalBlock:
-    rows: torch.Tensor  # [H, S, L] local rows, padded with n
-    pos: torch.Tensor  # [H, S, L] global positions (for dropout), padded with N
-    valid: torch.Tensor  # [H, S, L] bool
-    padded: bool  # some entry is padding: keys need a mask unless causal
-
-    @property
-    def shape(self):
-        return tuple(self.rows.shape)
-
-
-@dataclass
-class PeerBlock:
-    q_rows: torch.Tensor  # [H, 1, Lq] local query rows, padded with n
-    q_pos: torch.Tensor  # [H, 1, Lq] global positions
-    q_valid: torch.Tensor  # [H, 1, Lq]
-    k_idx: torch.Tensor  # [H, 1, Lk] rows of all received rows (steps in order), padded with M
-    k_pos: torch.Tensor  # [H, 1, Lk] global positions
-    k_valid: torch.Tensor  # [H, 1, Lk]
-    key_padded: bool
-    has_key: torch.Tensor | None  # [H] bool, None when every head has keys from this peer
-    q_slot: torch.Tensor | None = None  # [H, 1, Lq] index into RingPlan.peer_rows, padded with T
+def _cat(parts) -> torch.Tensor:
+    return torch.cat(parts) if parts else _longs()
 
 
 @dataclass
@@ -90,7 +80,7 @@ class Step:
     recv_from: int
     recv_rows: int  # M_recv
     recv_offset: int  # where its rows start among all the rows received (steps in order)
-    grad_slot: torch.Tensor | None = None  # [M_send] index of each sent row in RingPlan.grad_rows
+    grad_slot: torch.Tensor  # [M_send] index of each sent row in RingPlan.grad_rows
 
     @property
     def send_count(self) -> int:
@@ -105,21 +95,26 @@ class RingPlan:
     seq_len: int  # global length N
     num_heads: int
     num_kv_heads: int
-    local_blocks: list[LocalBlock]
     steps: list[Step]
-    peer_blocks: list[PeerBlock]  # one per cross segment, keys from every peer
     recv_total: int  # rows received from all peers together: M
-    # (query head, local row) of every query row of some PeerBlock, T of them, no repeats
-    peer_heads: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    peer_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    # (kv head, local row) of every row sent to some peer (its gradient comes back), U, no repeats
-    grad_heads: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    grad_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    local_plans: tuple  # BranchPlans over the shard's n rows (see the module docstring)
+    cross_plans: tuple  # BranchPlans over the extended row
+    local_positions: torch.Tensor  # [n] global position of each local row
+    cross_rows: torch.Tensor  # [T_loc] local rows at the head of the extended row, ascending
+    ext_positions: torch.Tensor  # [T] global position of each extended row
+    recv_heads: torch.Tensor  # [M] kv head of each received row (steps in order)
+    recv_ext: torch.Tensor  # [M] its extended row
+    recv_first: torch.Tensor  # [M] bool: the first arrival of its (kv head, extended row)
+    # (kv head, local row) of every row sent to some peer (its gradient comes back), no repeats
+    grad_heads: torch.Tensor
+    grad_rows: torch.Tensor
+    # local_plans cut in two runs of about equal work (a backward may run one while gradients
+    # travel); (local_plans, ()) when they cannot be cut
+    local_halves: tuple
 
     @property
-    def has_peers(self) -> bool:
-        """Whether this rank computes any PeerBlock or gets any gradient back."""
-        return bool(self.peer_rows.numel() or self.grad_rows.numel())
+    def ext_len(self) -> int:
+        return int(self.ext_positions.numel())
 
     @property
     def rows_sent(self) -> int:
@@ -128,6 +123,11 @@ class RingPlan:
     @property
     def rows_received(self) -> int:
         return sum(s.recv_rows for s in self.steps)
+
+    @property
+    def talks(self) -> bool:
+        """Whether this rank sends or receives any row."""
+        return bool(self.rows_sent or self.recv_total)
 
 
 @dataclass
@@ -144,228 +144,243 @@ class _Cross:
 
 
 def _units(num_heads: int, num_kv_heads: int, r: int):
-    """Sorted distinct (kv head, offset) pairs read by the query heads, and each head's unit."""
+    """Sorted distinct (kv head, offset) pairs read by the query heads."""
     group = num_heads // num_kv_heads
-    of_head = [(h // group, h % r) for h in range(num_heads)]
-    units = sorted(set(of_head))
-    return units, [units.index(u) for u in of_head]
+    return sorted({(h // group, h % r) for h in range(num_heads)})
 
 
-def _cross_segments(seq_len: int, n: int, world: int, w: int, r: int, hilbert: bool) -> list[_Cross]:
-    plan = branch_plan(seq_len, w, r, hilbert, "cpu")
+def _cross_segments(glob: BranchPlan, n: int, world: int) -> list[_Cross]:
+    w, r, seq_len = glob.segment_length, glob.dilation_rate, glob.seq_len
     out = []
     edges = torch.arange(world + 1) * n
-    for j in range(plan.num_segments):
+    for j in range(glob.num_segments):
         start, end = j * w, min((j + 1) * w, seq_len)
         first, last = start // n, (end - 1) // n
         if first == last:
             continue
-        pos = plan.positions[:, j, :]
+        pos = glob.positions[:, j, :]
         bounds = torch.searchsorted(pos.contiguous(), edges.expand(r, world + 1).contiguous())
         out.append(_Cross(j, pos, bounds, first, last))
     return out
 
 
 def _message_items(crosses, branch_units, src: int, dst: int, is_causal: bool):
-    """What src sends dst: a list of (branch, cross index, unit, start, count), in order.
-
-    A unit's slice goes only where dst has a query of some head reading that unit."""
+    """What src sends dst: a list of (branch, cross index, (kv head, offset), start, count), in
+    order. A unit's slice goes only where dst has a member of that set."""
     items = []
     if src == dst or (is_causal and src > dst):
         return items
-    for b, (cross_list, (units, head_unit, r)) in enumerate(zip(crosses, branch_units)):
+    for b, (cross_list, units) in enumerate(zip(crosses, branch_units)):
         for ci, cr in enumerate(cross_list):
             if not (cr.first <= src <= cr.last and cr.first <= dst <= cr.last):
                 continue
-            for ui, (c, o) in enumerate(units):
+            for c, o in units:
                 cnt = cr.count(o, src)
                 if cnt == 0 or cr.count(o, dst) == 0:
                     continue
-                items.append((b, ci, ui, int(cr.bounds[o, src]), cnt))
+                items.append((b, ci, (c, o), int(cr.bounds[o, src]), cnt))
     return items
 
 
-def _slice_block(cr: _Cross, offsets: list[int], p: int, pad_to: int, pad_value: int):
-    """Per head: the positions of rank p's slice of cr, padded. Returns (pos, valid, counts)."""
-    starts = torch.tensor([int(cr.bounds[o, p]) for o in offsets])
-    counts = torch.tensor([cr.count(o, p) for o in offsets])
-    m = torch.arange(pad_to)
-    valid = m.view(1, -1) < counts.view(-1, 1)
-    idx = (starts.view(-1, 1) + m.view(1, -1)).clamp(max=cr.pos.shape[1] - 1)
-    pos = cr.pos[torch.tensor(offsets).view(-1, 1), idx]
-    pos = torch.where(valid, pos, torch.full_like(pos, pad_value))
-    return pos, valid, counts
+def _local_sets(glob: BranchPlan, n: int, rank: int, exclude=frozenset()) -> BranchPlan | None:
+    """Branch `glob` restricted to rank's shard [rank*n, (rank+1)*n), in local rows, less the
+    sets (segment, offset) in `exclude`.
 
-
-def _local_interior(seq_len, n, rank, w, r, hilbert, num_heads) -> list[LocalBlock]:
-    """Blocks of the segments of branch (w, r) that lie wholly inside rank's shard."""
-    plan = branch_plan(seq_len, w, r, hilbert, "cpu")
+    Its segments are the global segments that meet the shard, each cut to the shard: set
+    (o, segment) holds the members of the global set that lie in the shard, ascending (a
+    contiguous run of the global set, since shards are contiguous), minus rank*n, padded with n;
+    segments of which it keeps no member are left out. Causal attention within such a part is
+    the lower triangle over it, as in the global set. Not strided: the kernels read positions
+    (segment starts vary from shard to shard). None when it keeps no member."""
+    w, r = glob.segment_length, glob.dilation_rate
     lo, hi = rank * n, (rank + 1) * n
-    s_total = plan.num_segments
-    j_a = -(-lo // w)
-    j_b = s_total if hi >= seq_len else hi // w
-    if j_a >= j_b:
-        return []
-    positions = plan.for_heads(num_heads)[:, j_a:j_b]  # [H, S, L], padded with seq_len
-    parts = [positions]
-    last = positions[:, -1:]
-    if j_b == s_total and bool((last >= seq_len).any()):  # the global last segment, cut short
-        parts = [positions[:, :-1]] if j_b - j_a > 1 else []
-        length = int((last < seq_len).sum(-1).max())
-        if length > 0:
-            length = _round_up(length, KEY_ALIGN)
-            if length <= last.shape[-1]:
-                parts.append(last[..., :length])
-            else:
-                parts.append(torch.nn.functional.pad(last, (0, length - last.shape[-1]),
-                                                     value=seq_len))
-    blocks = []
-    for pos in parts:
-        valid = pos < seq_len
-        rows = torch.where(valid, pos - lo, torch.full_like(pos, n))
-        blocks.append(LocalBlock(rows, pos, valid, not bool(valid.all())))
-    return blocks
+    j0, j1 = lo // w, min(-(-hi // w), glob.num_segments)
+    pos = glob.positions[:, j0:j1, :]
+    inside = (pos >= lo) & (pos < hi)
+    for j, o in exclude:
+        inside[o, j - j0] = False
+    local, _ = torch.where(inside, pos - lo, torch.full_like(pos, n)).sort(dim=-1)
+    counts = inside.sum(-1)  # [r, S']
+    used = counts.sum(0) > 0
+    if not bool(used.any()):
+        return None
+    length = int(counts.max())
+    local = local[:, used, :length].contiguous()
+    counts = counts[:, used].contiguous()
+    return BranchPlan(w, r, n, local, counts, strided=False, complete=_covers(local, n))
+
+
+def _covers(positions: torch.Tensor, rows: int) -> bool:
+    """Whether every row 0 .. rows - 1 is a member of some set (BranchPlan.complete)."""
+    seen = torch.zeros(rows + 1, dtype=torch.bool)
+    seen[positions.reshape(-1).clamp(max=rows)] = True
+    return bool(seen[:rows].all())
+
+
+def _aligned(seq_len: int, n: int, rank: int, w: int) -> bool:
+    lo, hi = rank * n, (rank + 1) * n
+    return lo % w == 0 and (hi % w == 0 or hi == seq_len)
+
+
+def _shard_plan(glob: BranchPlan, n: int, rank: int, hilbert: bool,
+                device: str) -> BranchPlan | None:
+    """Every set of branch `glob` cut to rank's shard (_local_sets). When the shard's edges fall
+    on segment edges (or its end is the sequence's end) this is the single-device plan of a
+    sequence of n positions, and that cached plan is returned (the kernels then reach rows by
+    strides)."""
+    if _aligned(glob.seq_len, n, rank, glob.segment_length):
+        return branch_plan(n, glob.segment_length, glob.dilation_rate, hilbert, device)
+    return _on(_local_sets(glob, n, rank), device)
+
+
+def _on(plan: BranchPlan | None, device: str) -> BranchPlan | None:
+    if plan is None or str(plan.positions.device) == device:
+        return plan
+    return BranchPlan(plan.segment_length, plan.dilation_rate, plan.seq_len,
+                      plan.positions.to(device), plan.counts.to(device), strided=plan.strided,
+                      complete=plan.complete)
+
+
+def _segments(plan: BranchPlan, a: int, b: int) -> BranchPlan:
+    return BranchPlan(plan.segment_length, plan.dilation_rate, plan.seq_len,
+                      plan.positions[:, a:b].contiguous(), plan.counts[:, a:b].contiguous(),
+                      strided=False, complete=False)
+
+
+def _halves(plans: list[BranchPlan]) -> tuple:
+    """The plans as two runs of about equal work (pairs per set, summed): whole plans where
+    there are several, else the one plan's segments cut in two."""
+    work = [(p.counts.cpu().double() ** 2).sum(0) for p in plans]  # per segment
+    if len(plans) == 1 and plans[0].num_segments > 1:
+        cut = int(torch.searchsorted(work[0].cumsum(0), work[0].sum() / 2)) + 1
+        cut = min(max(cut, 1), plans[0].num_segments - 1)
+        return (_segments(plans[0], 0, cut),), (_segments(plans[0], cut, plans[0].num_segments),)
+    work = [float(x.sum()) for x in work]
+    half, acc = sum(work) / 2, 0.0
+    for i, x in enumerate(work):
+        if acc + x >= half:
+            cut = i + 1 if acc + x - half < half - acc else i
+            return tuple(plans[:cut]), tuple(plans[cut:])
+        acc += x
+    return tuple(plans), ()
+
+
+def _first_arrivals(heads: torch.Tensor, ext: torch.Tensor, length: int) -> torch.Tensor:
+    key = heads * (length + 1) + ext
+    _, inverse = torch.unique(key, return_inverse=True)
+    index = torch.arange(key.numel())
+    first = torch.full((int(inverse.max()) + 1 if key.numel() else 0,), key.numel(),
+                       dtype=torch.long).scatter_reduce(0, inverse, index, "amin")
+    return first[inverse] == index
 
 
 def _build(seq_len: int, world: int, rank: int, segment_lengths, dilation_rates, hilbert: bool,
-           is_causal: bool, num_heads: int, num_kv_heads: int) -> RingPlan:
+           is_causal: bool, num_heads: int, num_kv_heads: int, device: str) -> RingPlan:
     n = seq_len // world
-    lo = rank * n
-    crosses, branch_units = [], []
-    local_blocks: list[LocalBlock] = []
-    for w, r in zip(segment_lengths, dilation_rates):
-        local_blocks += _local_interior(seq_len, n, rank, w, r, hilbert, num_heads)
-        cross_list = _cross_segments(seq_len, n, world, w, r, hilbert) if world > 1 else []
-        units, head_unit = _units(num_heads, num_kv_heads, r)
-        crosses.append(cross_list)
-        branch_units.append((units, head_unit, r))
-        offsets = [h % r for h in range(num_heads)]
-        for cr in cross_list:  # rank's own part of each cross segment: a local block
-            if not (cr.first <= rank <= cr.last):
-                continue
-            lq = max(cr.count(o, rank) for o in offsets)
-            if lq == 0:
-                continue
-            counts = [cr.count(o, rank) for o in offsets]
-            length = lq if min(counts) == lq else _round_up(lq, KEY_ALIGN)
-            pos, valid, _ = _slice_block(cr, offsets, rank, length, seq_len)
-            rows = torch.where(valid, pos - lo, torch.full_like(pos, n))
-            local_blocks.append(LocalBlock(rows.unsqueeze(1), pos.unsqueeze(1),
-                                           valid.unsqueeze(1), not bool(valid.all())))
+    lo, hi = rank * n, (rank + 1) * n
+    globs = [branch_plan(seq_len, w, r, hilbert, "cpu")
+             for w, r in zip(segment_lengths, dilation_rates)]
+    crosses = [_cross_segments(g, n, world) if world > 1 else [] for g in globs]
+    branch_units = [_units(num_heads, num_kv_heads, g.dilation_rate) for g in globs]
 
     steps = []
-    parts: dict = {}  # (branch, cross) -> [(peer, its first row among all received, the
-    #                   (branch, cross, unit) of each query head, where each unit's rows start)]
+    recv_heads, recv_pos = [], []
+    senders: dict = {}  # (branch, segment, offset) -> ranks whose members of that set arrive
     recv_offset = 0
     for s in range(1, world):
         dst, src = (rank + s) % world, (rank - s) % world
-        send_items = _message_items(crosses, branch_units, rank, dst, is_causal)
         send_heads, send_rows = [], []
-        for b, ci, ui, start, cnt in send_items:
-            cr = crosses[b][ci]
-            c, o = branch_units[b][0][ui]
-            rows = cr.pos[o, start:start + cnt] - lo
+        for b, ci, (c, o), start, cnt in _message_items(crosses, branch_units, rank, dst,
+                                                        is_causal):
+            rows = crosses[b][ci].pos[o, start:start + cnt] - lo
             send_rows.append(rows)
             send_heads.append(torch.full_like(rows, c))
-        recv_items = _message_items(crosses, branch_units, src, rank, is_causal)
-        where = {}  # (b, ci, ui) -> offset in the received message
         total = 0
-        for b, ci, ui, start, cnt in recv_items:
-            where[(b, ci, ui)] = total
+        for b, ci, (c, o), start, cnt in _message_items(crosses, branch_units, src, rank,
+                                                        is_causal):
+            cr = crosses[b][ci]
+            recv_pos.append(cr.pos[o, start:start + cnt])
+            recv_heads.append(torch.full((cnt,), c, dtype=torch.long))
+            senders.setdefault((b, cr.j, o), set()).add(src)
             total += cnt
-        for b, cross_list in enumerate(crosses):
-            head_unit = branch_units[b][1]
-            for ci, cr in enumerate(cross_list):
-                key = [(b, ci, head_unit[h]) for h in range(num_heads)]
-                if any(x in where for x in key):
-                    parts.setdefault((b, ci), []).append((src, recv_offset, key, where))
-        cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long))
-        steps.append(Step(s, dst, cat(send_heads), cat(send_rows), src, total, recv_offset))
+        steps.append(Step(s, dst, _cat(send_heads), _cat(send_rows), src, total, recv_offset,
+                          _longs()))
         recv_offset += total
-    peer_blocks = [_peer_block(crosses[b][ci], branch_units[b][2], parts[(b, ci)], num_heads,
-                               rank, lo, n, seq_len, recv_offset)
-                   for b, ci in sorted(parts)]
-    plan = RingPlan(world, rank, n, seq_len, num_heads, num_kv_heads, local_blocks, steps,
-                    peer_blocks, recv_offset)
-    _number_peer_rows(plan)
-    return plan
+    recv_heads, recv_pos = _cat(recv_heads), _cat(recv_pos)
 
+    # the members of every set with members from peers: this rank's and the senders'
+    members: dict = {}  # branch -> {(segment, offset): ascending global positions}
+    for (b, j, o), ranks in senders.items():
+        sel = globs[b].positions[o, j]
+        sel = sel[sel < seq_len]
+        owner = sel // n
+        keep = owner == rank
+        for src in ranks:
+            keep |= owner == src
+        members.setdefault(b, {})[(j, o)] = sel[keep]
+    local = [p[(p >= lo) & (p < hi)] for sets in members.values() for p in sets.values()]
+    cross_rows = torch.unique(_cat(local)) - lo
+    distinct = torch.unique(recv_pos)
+    t_loc = cross_rows.numel()
+    ext_len = t_loc + distinct.numel()
 
-def _peer_block(cr: _Cross, r: int, sources, num_heads: int, rank: int, lo: int, n: int,
-                seq_len: int, recv_total: int) -> PeerBlock:
-    """Rank's queries of cross segment cr against the rows of it received from every peer, the
-    keys of one peer after another (each peer's part padded alone), indexing the concatenation
-    of all received rows (padding: recv_total, a spare row)."""
-    offsets = [h % r for h in range(num_heads)]
-    q_counts = [cr.count(o, rank) for o in offsets]
-    lq = max(q_counts)
-    lq = lq if min(q_counts) == lq else _round_up(lq, KEY_ALIGN)
-    q_pos, q_valid, _ = _slice_block(cr, offsets, rank, lq, seq_len)
-    q_rows = torch.where(q_valid, q_pos - lo, torch.full_like(q_pos, n))
-    k_pos, k_valid, k_idx, k_count = [], [], [], torch.zeros(num_heads, dtype=torch.long)
-    for src, recv_offset, key, where in sources:
-        counts = torch.tensor([cr.count(o, src) if x in where else 0
-                               for o, x in zip(offsets, key)])
-        lk = int(counts.max())
-        lk = lk if int(counts.min()) == lk else _round_up(lk, KEY_ALIGN)
-        pos, valid, _ = _slice_block(cr, offsets, src, lk, seq_len)
-        valid = valid & (torch.arange(lk).view(1, -1) < counts.view(-1, 1))
-        base = recv_offset + torch.tensor([where.get(x, 0) for x in key])
-        k_idx.append(torch.where(valid, base.view(-1, 1) + torch.arange(lk).view(1, -1),
-                                 torch.full_like(valid, recv_total, dtype=torch.long)))
-        k_pos.append(pos)
-        k_valid.append(valid)
-        k_count += counts
-    k_valid = torch.cat(k_valid, 1)
-    has_key = k_count > 0
-    return PeerBlock(q_rows.unsqueeze(1), q_pos.unsqueeze(1), q_valid.unsqueeze(1),
-                     torch.cat(k_idx, 1).unsqueeze(1), torch.cat(k_pos, 1).unsqueeze(1),
-                     k_valid.unsqueeze(1), not bool(k_valid.all()),
-                     None if bool(has_key.all()) else has_key)
+    def ext_of(p: torch.Tensor) -> torch.Tensor:
+        inside = (p >= lo) & (p < hi)
+        return torch.where(inside, torch.searchsorted(cross_rows, (p - lo).contiguous()),
+                           t_loc + torch.searchsorted(distinct, p.contiguous()))
 
+    local_plans, cross_plans = [], []
+    for b, glob in enumerate(globs):
+        sets = members.get(b, {})
+        if not sets:
+            plan = _shard_plan(glob, n, rank, hilbert, device)
+        else:
+            plan = _on(_local_sets(glob, n, rank, frozenset(sets)), device)
+            cross_plans.append(_on(_cross_plan(glob, sets, ext_of, ext_len), device))
+        if plan is not None:
+            local_plans.append(plan)
 
-def _number_peer_rows(plan: RingPlan) -> None:
-    """Compact numbering of the query rows of the PeerBlocks and of the rows sent to peers."""
-    n = plan.n
-    keys = []  # head * (n + 1) + row of every valid query row of every PeerBlock
-    for pb in plan.peer_blocks:
-        h = torch.arange(pb.q_rows.shape[0]).view(-1, 1, 1).expand_as(pb.q_rows)
-        keys.append((h * (n + 1) + pb.q_rows)[pb.q_valid])
-    unique = torch.unique(torch.cat(keys)) if keys else torch.zeros(0, dtype=torch.long)
-    plan.peer_heads, plan.peer_rows = unique // (n + 1), unique % (n + 1)
-    total = unique.numel()
-    for pb in plan.peer_blocks:
-        h = torch.arange(pb.q_rows.shape[0]).view(-1, 1, 1).expand_as(pb.q_rows)
-        slot = torch.searchsorted(unique, (h * (n + 1) + pb.q_rows).reshape(-1).contiguous())
-        pb.q_slot = torch.where(pb.q_valid, slot.view_as(pb.q_rows),
-                                torch.full_like(pb.q_rows, total))
-    sent = [s.send_heads * (n + 1) + s.send_rows for s in plan.steps]
-    unique = torch.unique(torch.cat(sent)) if sent else torch.zeros(0, dtype=torch.long)
-    plan.grad_heads, plan.grad_rows = unique // (n + 1), unique % (n + 1)
-    for step, keys_sent in zip(plan.steps, sent):
-        step.grad_slot = torch.searchsorted(unique, keys_sent.contiguous())
+    recv_ext = ext_of(recv_pos) if recv_pos.numel() else _longs()
+    sent = [s.send_heads * (n + 1) + s.send_rows for s in steps]
+    unique = torch.unique(_cat(sent))
+    for step, keys in zip(steps, sent):
+        step.grad_slot = torch.searchsorted(unique, keys.contiguous())
+    local_halves = _halves(local_plans)
 
-
-def _to(plan: RingPlan, device: torch.device) -> RingPlan:
     def mv(x):
-        return x.to(device) if isinstance(x, torch.Tensor) else x
-    blocks = [LocalBlock(mv(b.rows), mv(b.pos), mv(b.valid), b.padded) for b in plan.local_blocks]
+        return x.to(device)
     steps = [Step(s.offset, s.send_to, mv(s.send_heads), mv(s.send_rows), s.recv_from,
-                  s.recv_rows, s.recv_offset, mv(s.grad_slot)) for s in plan.steps]
-    pbs = [PeerBlock(mv(p.q_rows), mv(p.q_pos), mv(p.q_valid), mv(p.k_idx), mv(p.k_pos),
-                     mv(p.k_valid), p.key_padded, mv(p.has_key), mv(p.q_slot))
-           for p in plan.peer_blocks]
-    return RingPlan(plan.world, plan.rank, plan.n, plan.seq_len, plan.num_heads, plan.num_kv_heads,
-                    blocks, steps, pbs, plan.recv_total, mv(plan.peer_heads), mv(plan.peer_rows),
-                    mv(plan.grad_heads), mv(plan.grad_rows))
+                  s.recv_rows, s.recv_offset, mv(s.grad_slot)) for s in steps]
+    return RingPlan(
+        world, rank, n, seq_len, num_heads, num_kv_heads, steps, recv_offset, tuple(local_plans),
+        tuple(cross_plans), mv(torch.arange(lo, hi)), mv(cross_rows),
+        mv(torch.cat([cross_rows + lo, distinct])), mv(recv_heads), mv(recv_ext),
+        mv(_first_arrivals(recv_heads, recv_ext, ext_len)), mv(unique // (n + 1)),
+        mv(unique % (n + 1)), local_halves)
+
+
+def _cross_plan(glob: BranchPlan, sets: dict, ext_of, ext_len: int) -> BranchPlan:
+    """Branch `glob`'s sets with members from peers, over the extended row: set (o, segment)
+    lists the extended rows of its members in ascending global position order, padded with the
+    extended row's length. Segments are those of the sets, in order."""
+    w, r = glob.segment_length, glob.dilation_rate
+    segs = sorted({j for j, _ in sets})
+    length = max(p.numel() for p in sets.values())
+    positions = torch.full((r, len(segs), length), ext_len, dtype=torch.long)
+    counts = torch.zeros(r, len(segs), dtype=torch.long)
+    for (j, o), p in sets.items():
+        s = segs.index(j)
+        positions[o, s, :p.numel()] = ext_of(p)
+        counts[o, s] = p.numel()
+    return BranchPlan(w, r, ext_len, positions, counts, strided=False,
+                      complete=_covers(positions, ext_len))
 
 
 @functools.lru_cache(maxsize=64)
 def _cached(seq_len, world, rank, segment_lengths, dilation_rates, hilbert, is_causal, num_heads,
             num_kv_heads, device) -> RingPlan:
-    plan = _build(seq_len, world, rank, segment_lengths, dilation_rates, hilbert, is_causal,
-                  num_heads, num_kv_heads)
-    return _to(plan, torch.device(device))
+    return _build(seq_len, world, rank, segment_lengths, dilation_rates, hilbert, is_causal,
+                  num_heads, num_kv_heads, device)
 
 
 def ring_plan(n_local: int, world: int, rank: int, segment_lengths, dilation_rates, hilbert: bool,
@@ -378,51 +393,19 @@ def ring_plan(n_local: int, world: int, rank: int, segment_lengths, dilation_rat
                    str(torch.device(device)))
 
 
-def _shard_plan(seq_len: int, n: int, rank: int, w: int, r: int, hilbert: bool,
-                device: str) -> BranchPlan | None:
-    """Branch (w, r) restricted to rank's shard [rank*n, (rank+1)*n), in local rows.
-
-    Its segments are the global segments that meet the shard, each cut to the shard: set
-    (o, segment) holds the members of the global set that lie in the shard, ascending (a
-    contiguous run of the global set, since shards are contiguous), minus rank*n, padded with n;
-    segments of which the shard holds no selected position are left out. Causal attention
-    within such a part is the lower triangle over it, as in the global set. When the shard's
-    edges fall on segment edges (or its end is the sequence's end) this is the single-device
-    plan of a sequence of n positions, and that cached plan is returned (the kernels then reach
-    rows by strides). None when no segment of the branch meets the shard (never for n >= 1)."""
-    lo, hi = rank * n, (rank + 1) * n
-    if lo % w == 0 and (hi % w == 0 or hi == seq_len):
-        return branch_plan(n, w, r, hilbert, device)
-    glob = branch_plan(seq_len, w, r, hilbert, "cpu")
-    j0, j1 = lo // w, min(-(-hi // w), glob.num_segments)
-    pos = glob.positions[:, j0:j1, :]
-    inside = (pos >= lo) & (pos < hi)
-    local, _ = torch.where(inside, pos - lo, torch.full_like(pos, n)).sort(dim=-1)
-    counts = inside.sum(-1)  # [r, S']
-    used = counts.sum(0) > 0
-    if not bool(used.any()):
-        return None
-    length = int(counts.max())
-    local = local[:, used, :length].contiguous()
-    counts = counts[:, used].contiguous()
-    # not strided: the kernels read positions (segment starts vary from shard to shard)
-    plan = BranchPlan(w, r, n, local.to(device), counts.to(device), strided=False)
-    return plan
-
-
 @functools.lru_cache(maxsize=64)
 def _cached_shard_plans(seq_len, world, rank, segment_lengths, dilation_rates, hilbert, device):
     n = seq_len // world
-    plans = [_shard_plan(seq_len, n, rank, w, r, hilbert, device)
+    plans = [_shard_plan(branch_plan(seq_len, w, r, hilbert, "cpu"), n, rank, hilbert, device)
              for w, r in zip(segment_lengths, dilation_rates)]
     return tuple(p for p in plans if p is not None)
 
 
 def shard_branch_plans(n_local: int, world: int, rank: int, segment_lengths, dilation_rates,
                        hilbert: bool, device: torch.device | str = "cpu") -> list[BranchPlan]:
-    """The BranchPlans of the local part of every branch on `rank` (see the module docstring):
-    run through the single-device lowering on the shard, they compute every pair of positions
-    that both lie in the shard; the PeerBlocks compute the rest."""
+    """Every set of every branch cut to `rank`'s shard, in local rows: run through a lowering on
+    the shard, they compute every pair of positions that both lie in the shard. The ring's
+    `local_plans` are these where the rank receives nothing."""
     return list(_cached_shard_plans(int(n_local) * int(world), int(world), int(rank),
                                     tuple(int(w) for w in segment_lengths),
                                     tuple(int(r) for r in dilation_rates), bool(hilbert),

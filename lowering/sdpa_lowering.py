@@ -95,7 +95,8 @@ class BlockInputs:
     has_key: torch.Tensor | None  # [B or 1, H*S, L] rows with at least one allowed key
 
 
-def _block_inputs(q, k, v, block: Block, *, attn_mask, is_causal, dropout_p, seed) -> BlockInputs:
+def _block_inputs(q, k, v, block: Block, *, attn_mask, is_causal, dropout_p, seed,
+                  dropout_rows=None) -> BlockInputs:
     b, hq, n, _ = q.shape
     hkv = k.shape[1]
     h, s, length = block.positions.shape
@@ -133,6 +134,8 @@ def _block_inputs(q, k, v, block: Block, *, attn_mask, is_causal, dropout_p, see
     keep = None
     if dropout_p > 0.0:
         pos = block.positions
+        if dropout_rows is not None:  # padding (row N) reads the last row's: its entries are 0
+            pos = dropout_rows[pos.clamp(max=dropout_rows.numel() - 1)]
         keep = keep_mask(seed, torch.arange(b, device=q.device).view(b, 1, 1, 1, 1),
                          heads.view(1, h, 1, 1, 1), pos.view(1, h, s, length, 1),
                          pos.view(1, h, s, 1, length), dropout_p)
@@ -157,8 +160,12 @@ def merge_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, scale: float,
-            dropout_p: float = 0.0, seed=None):
+            dropout_p: float = 0.0, seed=None, dropout_rows=None):
     """Returns (out [B, Hq, N, Dv] in q.dtype, lse [B, Hq, N] in float32, float64 for float64).
+
+    dropout_rows ([N] int64, optional): the position each row stands for in dropout's keep bits
+    (lowering/dropout.py hashes positions); by default its row index. The ring passes the global
+    positions of a shard's rows, or of the rows it gathered from peers.
 
     The branches are merged as one softmax is computed: each branch's normalised output o_i
     weighs exp(lse_i - top) against top, the largest lse_i so far, and the sum is divided by
@@ -180,7 +187,7 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
         lse_b = torch.full_like(top, NEG_INF)
         for block in blocks_of(plan, hq):
             x = _block_inputs(q, k, v, block, attn_mask=attn_mask, is_causal=is_causal,
-                              dropout_p=dropout_p, seed=seed)
+                              dropout_p=dropout_p, seed=seed, dropout_rows=dropout_rows)
             o, lse = block_attention.forward(x.q, x.k, x.v, bias=x.bias, is_causal=is_causal,
                                              scale=scale, keep=x.keep, dropout_p=dropout_p)
             lse = lse.to(wide)
@@ -203,8 +210,8 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
 
 
 def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: bool, attn_mask,
-             scale: float, dropout_p: float = 0.0, seed=None):
-    """Returns (dq, dk, dv) given the op's output and its float32 lse."""
+             scale: float, dropout_p: float = 0.0, seed=None, dropout_rows=None):
+    """Returns (dq, dk, dv) given the op's output and its float32 lse (dropout_rows: forward's)."""
     b, hq, n, _ = q.shape
     if b * hq * n == 0 or not plans:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -220,7 +227,7 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
     for plan in plans:
         for block in blocks_of(plan, hq):
             x = _block_inputs(q, k, v, block, attn_mask=attn_mask, is_causal=is_causal,
-                              dropout_p=dropout_p, seed=seed)
+                              dropout_p=dropout_p, seed=seed, dropout_rows=dropout_rows)
             h, s, length = block.positions.shape
             pos = block.positions
             dog = _gather(dout, heads, pos)

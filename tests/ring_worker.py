@@ -153,25 +153,25 @@ def compiled_inputs(case):
 
 
 def _run_overlap(case, rank, mesh):
-    """The order in which the op posts messages, waits for them and computes blocks."""
-    from hilbert_fx.lowering import ring
+    """The order in which the op posts messages, waits for them and computes: "post", "wait",
+    "compute" (an SDPA kernel call, lowering/block_attention.py) and "triton" (a call of the
+    Triton lowering)."""
+    from hilbert_fx.lowering import block_attention, ring_transport, triton_lowering
     events = []
-    from hilbert_fx.lowering import triton_lowering
-    saved = (ring.dist.batch_isend_irecv, ring._wait, ring.block_attention.forward,
-             ring.block_attention.backward, triton_lowering.forward, triton_lowering.backward)
+    saved = (ring_transport.dist.batch_isend_irecv, ring_transport.wait, block_attention.forward,
+             block_attention.backward, triton_lowering.forward, triton_lowering.backward)
 
     def logged(name, fn):
         def call(*a, **kw):
             events.append(name)
             return fn(*a, **kw)
         return call
-    ring.dist.batch_isend_irecv = logged("post", saved[0])
-    ring._wait = logged("wait", saved[1])
-    ring.block_attention.forward = logged("compute", saved[2])
-    ring.block_attention.backward = logged("compute", saved[3])
-    # the Triton lowering's local part: "local" (the SDPA blocks against peers' rows: "compute")
-    triton_lowering.forward = logged("local", saved[4])
-    triton_lowering.backward = logged("local", saved[5])
+    ring_transport.dist.batch_isend_irecv = logged("post", saved[0])
+    ring_transport.wait = logged("wait", saved[1])
+    block_attention.forward = logged("compute", saved[2])
+    block_attention.backward = logged("compute", saved[3])
+    triton_lowering.forward = logged("triton", saved[4])
+    triton_lowering.backward = logged("triton", saved[5])
     forward = []
 
     def between():
@@ -180,8 +180,8 @@ def _run_overlap(case, rank, mesh):
     try:
         res = _run_attention(case, rank, mesh, between)
     finally:
-        (ring.dist.batch_isend_irecv, ring._wait, ring.block_attention.forward,
-         ring.block_attention.backward, triton_lowering.forward, triton_lowering.backward) = saved
+        (ring_transport.dist.batch_isend_irecv, ring_transport.wait, block_attention.forward,
+         block_attention.backward, triton_lowering.forward, triton_lowering.backward) = saved
     res.update(events_forward=forward, events_backward=list(events))
     return res
 

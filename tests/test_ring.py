@@ -57,8 +57,8 @@ CASES_4 = [
     attention_case("p4_heads_fewer_than_rate", 4, 16, (64,), (4,), causal=True, Hq=2, seed=4),
 ]
 
-# lowering="triton" (interpreted on CPU): the local part runs on the single-device Triton kernels
-# with shard plans, the blocks against peers' rows on SDPA. Shapes that are not multiples of the
+# lowering="triton" (interpreted on CPU): both calls of the ring (the rank's sets alone, the sets
+# with peers' rows) run on the Triton kernels. Shapes that are not multiples of the
 # interpreter's tiles (32 x 16) or of the segments; D = 12 is not a power of two; "bnhd": q, k, v
 # are strided views of [B, N, H, D] tensors.
 # P = 2, n = 21 (N = 42): w = 6 inside a shard (and cut by the shard edge at 21), w = 16 has
@@ -71,7 +71,7 @@ TRITON_2 = [
                    causal=True, Hq=4, Hkv=2, B=2, lowering="triton", seed=12, front="public"),
     attention_case("p2_triton_tiles_causal", 2, 40, (12, 36, 80), (1, 2, 1), causal=True,
                    Hq=2, lowering="triton", seed=13),
-    # stays on the SDPA blocks (keep bits at global positions; float64): exact all the same
+    # on the SDPA lowering (the Triton kernels take no global positions for dropout; float64)
     attention_case("p2_triton_dropout", 2, 24, (8, 48), (1, 2), dropout_p=0.3,
                    dropout_seed=99, lowering="triton", seed=14),
     attention_case("p2_triton_float64", 2, 12, (8, 24), (1, 2), dtype="float64",
@@ -376,30 +376,38 @@ def test_messages_are_posted_before_compute_and_overlap_it(results2):
 
 
 
-def test_triton_local_part_runs_on_the_kernels_while_rows_travel(results2):
-    """lowering="triton": the local part is one call of the Triton lowering ("local"), made after
-    every message is posted and before the first wait, forward and backward; only the blocks
-    against peers' rows run on the SDPA kernels ("compute"), after their rows arrived."""
+def test_triton_computes_every_set_on_the_kernels_while_rows_travel(results2):
+    """lowering="triton": the sets of the rank alone are one call of the Triton lowering, made
+    after every message is posted and before the first wait, forward and backward; the sets with
+    rows from peers are a second call, after those rows arrived; no set runs on the SDPA
+    kernels ("compute")."""
     check_case(OVERLAP_TRITON, results2)
     for rank in (0, 1):
         res = results2[OVERLAP_TRITON["name"]][rank]
         for events in (res["events_forward"], res["events_backward"]):
-            assert events.count("local") == 1, events
-            assert events.index("post") == 0 and events.index("local") < events.index("wait"), \
+            assert events.count("triton") == 2 and "compute" not in events, events
+            assert events.index("post") == 0 and events.index("triton") < events.index("wait"), \
                 events
-            assert "compute" in events and "compute" not in events[:events.index("wait")], events
+            assert "triton" in events[events.index("wait"):], events
 
 
 # --------------------------------------------------------------------------------------------
-# Shard plans: the local part of every branch on one rank, for the Triton lowering.
+# Shard plans: every set of every branch cut to one rank's shard.
 
-def _pairs_of_local_blocks(plan, heads):
+def _pairs_on_the_rank(plan, heads):
+    """The (head, query, key) pairs of positions of the rank that the ring's two calls compute:
+    its local call's sets, and the local members of its cross call's sets."""
+    lo = plan.rank * plan.n
     pairs = set()
-    for blk in plan.local_blocks:
-        for h in range(heads):
-            for s in range(blk.pos.shape[1]):
-                sel = blk.pos[h, s][blk.valid[h, s]].tolist()
-                pairs |= {(h, a, b) for a in sel for b in sel}
+    for plans, global_of in ((plan.local_plans, lambda rows: rows + lo),
+                             (plan.cross_plans, lambda rows: plan.ext_positions[rows])):
+        for branch in plans:
+            for h in range(heads):
+                o = h % branch.dilation_rate
+                for s in range(branch.num_segments):
+                    sel = global_of(branch.positions[o, s, :branch.counts[o, s]])
+                    sel = sel[(sel >= lo) & (sel < lo + plan.n)].tolist()
+                    pairs |= {(h, a, b) for a in sel for b in sel}
     return pairs
 
 
@@ -410,7 +418,8 @@ def _pairs_of_local_blocks(plan, heads):
 def test_shard_plans_hold_each_selected_position_once(n, world, segs, rates, hilbert):
     """Per branch and offset, the shard plan's sets hold exactly the branch's selected positions
     in the shard (in local rows), each once, grouped as the global segments group them; together
-    they cover the same (head, query, key) pairs as the SDPA path's local blocks."""
+    they cover the same (head, query, key) pairs as the ring's two calls on the rank's own
+    positions."""
     from hilbert_fx.lowering.plans import branch_plan
     from hilbert_fx.lowering.ring_plan import shard_branch_plans
     heads = 4
@@ -438,7 +447,7 @@ def test_shard_plans_hold_each_selected_position_once(n, world, segs, rates, hil
                     sel = (plan.positions[o, s, :plan.counts[o, s]] + lo).tolist()
                     pairs |= {(h, a, b) for a in sel for b in sel}
         ring = ring_plan(n, world, rank, segs, rates, hilbert, False, heads, heads)
-        assert pairs == _pairs_of_local_blocks(ring, heads)
+        assert pairs == _pairs_on_the_rank(ring, heads)
 
 
 def test_aligned_shard_plans_are_the_single_device_plans():
