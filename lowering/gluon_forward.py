@@ -11,18 +11,24 @@ kernels merge their branches the same way (float32 Acc and Lse), so one call may
 It runs on compute capability 9.x with Triton 3.6 (Gluon's API changes between releases: other
 versions run the Triton kernels, with the reason logged), for float16 and bfloat16, head dims 64
 and 128 (v's the same), causal or not, no mask, no dropout, a scale >= 0 (> 0 when causal),
-whole sets (N % w == 0, w / r a multiple of 128), and q, k, v each contiguous or a [B, N, H, D]
-tensor transposed. Sets reached by strides (the identity order, or r == 1 in any order) are read
-by TMA, and so are the Hilbert order's sets made of runs of stride r (`plan_run`: its r = 2 sets);
-its others by cp.async through the plan's positions. HILBERT_FX_GLUON=0 turns the Hopper kernels
-off, HILBERT_FX_GLUON_RUNS=0 the TMA copies of runs.
+whole sets (N % w == 0, w / r a multiple of 128, no padding row: plan.complete), and q, k, v
+each contiguous or a [B, N, H, D] tensor transposed. Sets reached by strides (the identity
+order, or r == 1 in any order) are read by TMA, and so are the Hilbert order's sets made of runs
+of stride r (`plan_run`: its r = 2 sets); its others by cp.async through the plan's positions.
+HILBERT_FX_GLUON=0 turns the Hopper kernels off, HILBERT_FX_GLUON_RUNS=0 the TMA copies of runs
+(both read once: lowering/tuning.py).
+
+Whether a plan qualifies is decided from its fields, without reading its counts on the host (a
+synchronisation with the GPU); only a plan that qualifies has its positions read, once per plan
+object, to find its runs (`plan_run`).
 """
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
+
+from .tuning import PlanCache, tuning
 
 log = logging.getLogger("hilbert_fx.lowering")
 
@@ -85,39 +91,44 @@ def _descriptor(x: torch.Tensor, r: int, box: list[int]):
 
 
 def _whole_sets(plan) -> bool:
-    """Whether the plan is N / w segments of w / r members each (checked once per plan)."""
-    whole = getattr(plan, "_whole_sets", None)
-    if whole is None:
-        n, w, r = plan.seq_len, plan.segment_length, plan.dilation_rate
-        whole = (n % w == 0 and plan.num_segments == n // w and plan.set_size == w // r
-                 and bool((plan.counts == w // r).all()))
-        object.__setattr__(plan, "_whole_sets", whole)  # plans are frozen and cached
-    return whole
+    """Whether the plan is N / w segments of w / r members each, from its fields alone (reading
+    its counts would synchronise with the GPU). A complete plan has each row in exactly one set
+    of the branch (no padding), so its counts add up to N; with N / w segments of w / r slots
+    per offset there are exactly N slots, and each count is at most w / r: every set is whole."""
+    n, w, r = plan.seq_len, plan.segment_length, plan.dilation_rate
+    return (bool(getattr(plan, "complete", True)) and n % w == 0 and w % r == 0
+            and plan.num_segments == n // w and plan.set_size == w // r)
 
 
 RUN_LENGTHS = (64, 32, 16, 8)  # boxes of at least 8 rows keep the 128-byte swizzle's alignment
 
 
+# the run length of each plan the Hopper kernels launched: found by reading its positions on the
+# host, which waits for the GPU, so once per plan object
+_runs = PlanCache()
+
+
 def plan_run(plan) -> int:
     """The longest RUN_LENGTHS entry L such that every L consecutive members of every set
     (from member 0 on) are a stride-r run of positions p, p + r, ..., p + (L-1) r, which TMA
-    copies as one box of the 2-D view; 0 for none, or for strided plans (cached on the plan).
+    copies as one box of the 2-D view; 0 for none, for strided plans, or when
+    HILBERT_FX_GLUON_RUNS=0. Found once per plan (`_runs`).
     Hilbert's r = 2 sets are a checkerboard of its grid, so each grid row's members are such a
     run: at N = 64K, L = 32 for w = 4096 (a 64-wide grid); r = 4 and 8 have none."""
-    run = getattr(plan, "_run", None)
-    if run is None:
-        run = 0
-        if not plan.is_strided and os.environ.get("HILBERT_FX_GLUON_RUNS", "1") not in ("0", ""):
-            pos, r, m = plan.positions, plan.dilation_rate, plan.set_size
-            for length in RUN_LENGTHS:
-                if m % length == 0:
-                    chunks = pos.reshape(r, -1, m // length, length)
-                    steps = torch.arange(length, device=pos.device) * r
-                    if bool((chunks - chunks[..., :1] == steps).all()):
-                        run = length
-                        break
-        object.__setattr__(plan, "_run", run)  # plans are frozen and cached
-    return run
+    if plan.is_strided or not tuning().gluon_runs:
+        return 0
+    return _runs.get(plan, None, lambda: _longest_run(plan))
+
+
+def _longest_run(plan) -> int:
+    pos, r, m = plan.positions, plan.dilation_rate, plan.set_size
+    for length in RUN_LENGTHS:
+        if m % length == 0:
+            chunks = pos.reshape(r, -1, m // length, length)
+            steps = torch.arange(length, device=pos.device) * r
+            if bool((chunks - chunks[..., :1] == steps).all()):
+                return length
+    return 0
 
 
 _logged: set = set()
@@ -155,7 +166,7 @@ def unsupported(q, k, v, plan, *, is_causal: bool, mask_kind: int, dropout: bool
 
 
 def _unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale) -> str | None:
-    if os.environ.get("HILBERT_FX_GLUON", "1") in ("0", ""):
+    if not tuning().gluon:
         return "HILBERT_FX_GLUON=0"
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "not a compute capability 9.x GPU"
@@ -170,7 +181,8 @@ def _unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale) -> str | N
         return "negative scale (or zero, causal)"
     n, w, r = plan.seq_len, plan.segment_length, plan.dilation_rate
     if (w // r) % CTA_ROWS or not _whole_sets(plan):
-        return f"partial sets (N % w != 0, a shard's part of a segment, or w / r not a multiple of {CTA_ROWS})"
+        return (f"partial sets (N % w != 0, a shard's part of a segment, padding or sequences "
+                f"shorter than w, or w / r not a multiple of {CTA_ROWS})")
     if n // w > 65535 or q.shape[0] * q.shape[1] > 65535:
         return "grid too large (segments or batch * heads over 65535)"
     for name, x in (("q", q), ("k", k), ("v", v)):

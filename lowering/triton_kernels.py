@@ -16,6 +16,24 @@ FlashAttention-2 kernels that read q, k, v where they lie (no gathered copies), 
   over member indices, so tiles above the diagonal are never visited.
 - Dropout keeps entry (b, h, p, p') when lowbias32 hashes of (seed, b, h, p, p') say so:
   exactly lowering/dropout.py's keep_mask, in uint32 arithmetic.
+- A set may hold fewer members than the plan's set size in any segment, or none (Cnt 0: every
+  program of it returns at once), and some rows may be in no set (padding of packed sequences):
+  the kernels never assume a set is whole or that a branch covers every row; the launcher
+  decides who writes rows no set holds (lowering/triton_lowering.py).
+
+Positional parameters. The three branch kernels take their own buffers first, then one shared
+run of operands, built by lowering/triton_lowering.py's Call.operands, then their own scalars
+(only _bwd_dkdv_kernel's NUM_CLASSES) and the compile-time arguments by name:
+
+    Q, K, V, [DO,] Pos, Cnt, Mask, Seed,
+    strides (batch, head, row, column) of Q, K, V, [DO,] and of Mask broadcast to [B, H, N, N],
+    strides of Pos [r, S, >= w / r] (offset, segment, member) and of Cnt [r, S],
+    H (query heads), HKV (key/value heads), N (rows), GROUP = H // HKV,
+    SEG (segment length w), R (dilation rate), qk_scale = scale * log2(e), scale,
+    keep_threshold, drop_scale (dropout: keep when hash >> 8 >= threshold, scale kept ones),
+
+with DO and its strides only in the backward's kernels. A kernel may leave some unused (the
+forward reads neither HKV nor scale): one run for all keeps the launches from drifting apart.
 """
 import triton
 import triton.language as tl
@@ -166,14 +184,14 @@ def _fwd_tiles(acc, l_i, m_i, q, pos_m, offs_m, qhash, lo, hi,
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, Acc, Lse, Pos, Cnt, Mask, Seed,
+def _fwd_kernel(Out, Acc, Lse,
+                Q, K, V, Pos, Cnt, Mask, Seed,
                 stride_qb, stride_qh, stride_qn, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
                 stride_mb, stride_mh, stride_mq, stride_mk,
                 stride_po, stride_ps, stride_pm, stride_co, stride_cs,
-                H, N, GROUP, SEG, R,
-                qk_scale, keep_threshold, drop_scale,
+                H, HKV, N, GROUP, SEG, R, qk_scale, scale, keep_threshold, drop_scale,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -184,7 +202,8 @@ def _fwd_kernel(Q, K, V, Out, Acc, Lse, Pos, Cnt, Mask, Seed,
 
     Computes the branch's attention for the tile's query rows and merges it by log-sum-exp
     into the running result of the branches launched before: (Acc float32, Lse), read unless
-    FIRST. A LAST branch selects every position (r == 1) and writes the final Out in q's dtype.
+    FIRST. A LAST branch selects every position (r == 1, no padding) and writes the final Out in
+    q's dtype.
     Within one launch every (batch, head, position) belongs to one program: no races.
     """
     bh, b, h, count, start_m, first, set_base, offs_m, row_ok, pos_m = _query_tile(
@@ -416,15 +435,16 @@ def _add_rows(acc, Buf, Final, Seen, seen_base, head_row, pos, row_ok, DIM: tl.c
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, DKO, DVO, Seen, Lse2, Delta, Pos, Cnt, Mask, Seed,
+def _bwd_dkdv_kernel(DK, DV, DQ, DKO, DVO, Seen, Lse2, Delta,
+                     Q, K, V, DO, Pos, Cnt, Mask, Seed,
                      stride_qb, stride_qh, stride_qn, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
                      stride_dob, stride_doh, stride_don, stride_dod,
                      stride_mb, stride_mh, stride_mq, stride_mk,
                      stride_po, stride_ps, stride_pm, stride_co, stride_cs,
-                     H, HKV, N, GROUP, NUM_CLASSES, SEG, R,
-                     qk_scale, scale, keep_threshold, drop_scale,
+                     H, HKV, N, GROUP, SEG, R, qk_scale, scale, keep_threshold, drop_scale,
+                     NUM_CLASSES,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -523,15 +543,15 @@ def _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, qhash, lo, hi,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, DQ, DQO, Seen, Lse2, Delta, Pos, Cnt, Mask, Seed,
+def _bwd_dq_kernel(DQ, DQO, Seen, Lse2, Delta,
+                   Q, K, V, DO, Pos, Cnt, Mask, Seed,
                    stride_qb, stride_qh, stride_qn, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
                    stride_dob, stride_doh, stride_don, stride_dod,
                    stride_mb, stride_mh, stride_mq, stride_mk,
                    stride_po, stride_ps, stride_pm, stride_co, stride_cs,
-                   H, N, GROUP, SEG, R,
-                   qk_scale, scale, keep_threshold, drop_scale,
+                   H, HKV, N, GROUP, SEG, R, qk_scale, scale, keep_threshold, drop_scale,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

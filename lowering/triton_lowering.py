@@ -12,9 +12,11 @@ above the diagonal skipped). At its end a program merges its rows into the runni
 branches launched before it, by log-sum-exp in float32: (acc [B, H, N, Dv] float32, lse).
 Branches run one after the other, so no two programs ever write the same rows at once, and the
 merge costs no extra pass over the output: each program reads and writes only the float32 rows of
-its own set, once. A branch with r == 1 selects every position; it runs last and writes the final
-output in q's dtype directly, so that the float32 buffer is never read back by a separate pass.
-(Without such a branch a last elementwise pass writes out, with 0 for rows no branch selects.)
+its own set, once. A branch with r == 1 over a complete plan (every row in a set: no padding) selects every
+position; it runs last and writes the final output in q's dtype directly, so that the float32
+buffer is never read back by a separate pass. (Without such a branch a last elementwise pass
+writes out, with 0 for rows no branch selects: padding rows of packed sequences, rows past
+every set.)
 
 Why per-branch launches rather than one program looping over all branches of a query tile: a
 tile of one branch's set is not a tile of another's (dilation interleaves them), so a program
@@ -32,17 +34,23 @@ program loops over them and over their query tiles with K, V held in registers -
 with one program per query tile. Each adds into float32 buffers rows that no other program of the
 launch touches, so the default path uses no atomics and is deterministic (bitwise repeatable).
 Branches run in the forward's order: the float32 buffers are never zeroed (a launch reads only
-the rows an earlier one wrote, `_seen_rows`), and a branch with r == 1 runs last and writes dq,
-dk, dv in the inputs' dtype, so no pass converts float32 gradients afterwards (on an H200 at
+the rows an earlier one wrote, `_seen_rows`), and a complete branch with r == 1 runs last and
+writes dq, dk, dv in the inputs' dtype, so no pass converts float32 gradients afterwards (on an H200 at
 N = 64K that took forward+backward from 22.3 to 21.8 ms, BENCHMARKS.md).
 Setting HILBERT_FX_TRITON_ATOMIC_DQ=1 folds dQ into the dK/dV kernel with float32 atomics instead
 (saves recomputing S and dP, not deterministic); HILBERT_FX_DETERMINISTIC=1 or
-torch.use_deterministic_algorithms(True) turn that off again.
+torch.use_deterministic_algorithms(True) turn that off again. Those knobs, and every other one,
+are read once (lowering/tuning.py).
+
+Plans may hold several sequences in one row (lowering/sequences.py): a set is then partial in
+any segment or empty (count 0), and padding rows are in no set (plan.complete is False). The
+kernels read each set's count and skip tiles past it, so they run such plans unchanged; only
+the choice of which branch writes the final result in place depends on completeness.
 
 On Hopper (compute capability 9.x, Triton 3.6) a branch runs instead on FlashAttention-3's
 warp-specialised schedules written in Gluon (lowering/gluon_forward.py says when: no mask, no
-dropout, whole sets, head dims 64 and 128, 16-bit types): the forward (lowering/gluon_kernels.py)
-merges into the same (acc, lse); the backward (lowering/gluon_backward_kernels.py) adds dq into
+dropout, whole sets of a complete plan, head dims 64 and 128, 16-bit types): the forward
+(lowering/gluon_kernels.py) merges into the same (acc, lse); the backward (lowering/gluon_backward_kernels.py) adds dq into
 a zeroed float32 buffer by atomics (not under deterministic algorithms; the Triton dq kernel of
 a branch beside it then adds to that buffer too) and dK/dV exactly as the Triton dK/dV kernel
 does. On an H200 at N = 64K (medians of 3 to 5 rounds): forward 3.75 ms in the
@@ -50,17 +58,17 @@ identity order and 3.82 ms in the Hilbert order, forward+backward 17.3 to 18.0 m
 against the floor's 3.50 to 3.53 and 13.97 to 14.36 (BENCHMARKS.md).
 
 CPU tensors run the same kernels under the Triton interpreter (SPEC section 3). Triton decides
-between interpreter and compiler when `triton` is first imported; importing this module without
-a CUDA device sets TRITON_INTERPRET=1 first when triton is not imported yet.
+between interpreter and compiler when `triton` is first imported, so the process must start with
+TRITON_INTERPRET=1 (the tests and CI do); a CPU tensor that reaches this lowering otherwise gets
+a RuntimeError saying so. This module leaves the environment alone: setting the variable on
+import would switch a process that also uses a GPU to the interpreter.
 
-Tile sizes: `tile_config`; override with HILBERT_FX_TRITON_FWD,
-HILBERT_FX_TRITON_DKDV, HILBERT_FX_TRITON_DQ = "BLOCK_M,BLOCK_N,num_warps,num_stages".
+Tile sizes: lowering/tuning.py's `tile_config` (tables by GPU, dtype and head dim; overrides
+HILBERT_FX_TRITON_FWD, _DKDV, _DQ), shrunk at launch if the GPU lacks the resources (`_launch`).
+The kernels' positional parameters, shared by all three, are built by `Call.operands`.
 """
 from __future__ import annotations
 
-import math
-import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -69,10 +77,11 @@ from . import gluon_backward, gluon_forward
 from .arguments import problem
 from .dropout import keep_threshold
 from .plans import BranchPlan
+from .tuning import PlanCache, TileConfig, Tuning, fp32_precision, tile_config, tuning
+from .tuning import shrunk as _shrunk
 
-if "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ \
-        and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # Triton reads it when it is first imported
+__all__ = ["forward", "backward", "interpreter_active", "tile_config", "TileConfig",
+           "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
 
 NEG_INF = float("-inf")
 LOG2E = 1.4426950408889634
@@ -97,28 +106,37 @@ def _kernels():
     return _kernels_module
 
 
+_interpreted: bool | None = None
+
+
 def interpreter_active() -> bool:
-    """Whether this process's triton runs kernels in its interpreter (chosen at its import)."""
-    import triton
-    import triton.language as tl
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover
-        return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return isinstance(tl.zeros, InterpretedFunction) or isinstance(
-        getattr(tl.standard, "zeros", None), InterpretedFunction)
+    """Whether this process's triton runs kernels in its interpreter (chosen at its import, so
+    the answer is kept)."""
+    global _interpreted
+    if _interpreted is None:
+        import triton  # noqa: F401
+        import triton.language as tl
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+        except ImportError:  # pragma: no cover - a triton without this class: its own switch
+            import os
+            _interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        else:
+            _interpreted = isinstance(tl.zeros, InterpretedFunction) or isinstance(
+                getattr(tl.standard, "zeros", None), InterpretedFunction)
+    return _interpreted
 
 
 def _check_device(q: torch.Tensor) -> bool:
     """Returns whether the kernels run interpreted; raises where they cannot run at all."""
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"lowering='triton' runs on CUDA or CPU tensors, got q on {q.device}")
     interpreted = interpreter_active()
     if q.device.type == "cpu" and not interpreted:
         raise RuntimeError(
             "lowering='triton' on CPU tensors runs the Triton interpreter, which triton chooses "
-            "when it is first imported: set TRITON_INTERPRET=1 in the environment (triton was "
-            "already imported in compiled mode in this process)")
-    if q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"lowering='triton' runs on CUDA or CPU tensors, got q on {q.device}")
+            "when it is first imported: start the process with TRITON_INTERPRET=1 in the "
+            "environment (this process's triton compiles for a GPU), or use lowering='sdpa'")
     return interpreted
 
 
@@ -141,109 +159,24 @@ def _check_inputs(q, k, v):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
-# ----------------------------------------------------------------------------- tile configs
+# ----------------------------------------------------------------------------- launches
 
-
-@dataclass(frozen=True)
-class TileConfig:
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-def _env_config(name: str) -> TileConfig | None:
-    value = os.environ.get(name)
-    if not value:
-        return None
-    try:
-        bm, bn, warps, stages = (int(x) for x in value.split(","))
-    except ValueError:
-        raise ValueError(f"{name} must be 'BLOCK_M,BLOCK_N,num_warps,num_stages', got {value!r}") from None
-    if not all(x in (16, 32, 64, 128, 256) for x in (bm, bn)):
-        raise ValueError(f"{name}: BLOCK_M and BLOCK_N must be powers of two from 16 to 256, got {value!r}")
-    return TileConfig(bm, bn, warps, stages)
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
-
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim (<= 64, <= 128, <= 256), checked to compile
-# for sm_90 without register spills and within its 227 KB of shared memory. A user mask is one
-# more pipelined tile per step, so masked kernels keep fewer or smaller tiles in flight.
-_FWD_HOPPER = {"16": ((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 2)),
-               "16mask": ((128, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2)),
-               "32": ((64, 32, 4, 2), (64, 16, 4, 2), (16, 16, 4, 1))}
-_FWD_AMPERE = {"16": ((128, 64, 4, 3), (128, 64, 4, 2), (64, 64, 4, 2)),
-               "16mask": ((128, 64, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
-               "32": ((64, 32, 4, 2), (64, 16, 4, 2), (16, 16, 4, 1))}
-# fwd "16", D <= 64: (128, 128, 4, 3) and (128, 64, 4, 3) were each 3% ahead in one of two H200
-# runs at N = 64K (BENCHMARKS.md): within the noise between runs, so the default stays.
-# dkdv "16", D <= 128: (64, 128, 8, 3), FlexAttention's sm90 tiles, once the kernel's edge loop
-# was left unpipelined and a class of one head lost its head loop: 20.8 and 21.1 ms against
-# 21.8 and 21.7 for (32, 64, 4, 3) on an H200 at N = 64K, forward+backward (BENCHMARKS.md).
-_DKDV = {"16": ((32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 8, 1)),
-         "16mask": ((32, 128, 4, 2), (64, 64, 8, 2), (32, 64, 8, 1)),
-         "32": ((32, 64, 4, 2), (16, 32, 4, 1), (16, 16, 4, 1))}
-# dq "16", D <= 128: (128, 64, 8, 3) took forward+backward from 23.3 to 21.8-22.3 ms on an H200
-# at N = 64K (FlexAttention's sm90 dQ tiles; its dK/dV tiles (64, 128, 8, 3) were slower here).
-_DQ = {"16": ((128, 32, 4, 3), (128, 64, 8, 3), (64, 32, 8, 1)),
-       "16mask": ((128, 32, 4, 2), (128, 64, 8, 2), (64, 32, 8, 1)),
-       "32": ((64, 32, 4, 2), (32, 16, 4, 1), (16, 16, 4, 1))}
-_INTERPRETED = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
-
-
-def tile_config(kind: str, device, dtype, head_dim: int, interpreted: bool,
-                masked: bool = False) -> TileConfig:
-    """Tiles of kernel `kind` ("fwd", "dkdv" or "dq"), unless HILBERT_FX_TRITON_<KIND> says.
-
-    fwd and dq need BLOCK_M a multiple of BLOCK_N, dkdv BLOCK_N a multiple of BLOCK_M (the causal
-    diagonal is walked in whole tiles)."""
-    env = _env_config(f"HILBERT_FX_TRITON_{kind.upper()}")
-    if env is not None:
-        return env
-    if interpreted:  # small tiles: the tests cross tile edges with small shapes
-        return TileConfig(*_INTERPRETED[kind])
-    if kind == "fwd":
-        table = _FWD_HOPPER if _capability(device)[0] >= 9 else _FWD_AMPERE
-    else:
-        table = _DKDV if kind == "dkdv" else _DQ
-    variant = "32" if dtype == torch.float32 else ("16mask" if masked else "16")
-    index = 0 if head_dim <= 64 else (1 if head_dim <= 128 else 2)
-    return TileConfig(*table[variant][index])
-
-
-def _shrunk(cfg: TileConfig, keep_divisible_m: bool) -> TileConfig | None:
-    """A smaller config to retry with after the GPU ran out of shared memory or registers."""
-    if cfg.num_stages > 1:
-        return TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1)
-    # `big` is the tile that must stay a multiple of `small`: block_m for fwd and dq, else block_n
-    big, small = (cfg.block_m, cfg.block_n) if keep_divisible_m else (cfg.block_n, cfg.block_m)
-    if big > small and big > 16:
-        big //= 2
-    elif small > 16:
-        small //= 2
-        big = max(big // 2, small)
-    else:
-        return None
-    bm, bn = (big, small) if keep_divisible_m else (small, big)
-    return TileConfig(bm, bn, cfg.num_warps, 2)
-
-
+# The tiles that ran, by kernel, first-choice tiles, device, dtype and compile-time arguments:
+# a config the GPU had too few resources for is shrunk once, not at every call.
 _working_configs: dict = {}
 
 
-def _launch(kernel, grid_of, cfg: TileConfig, m_multiple_of_n: bool, *args, **kwargs):
-    """kernel[grid](*args, BLOCK_M, BLOCK_N, ...), shrinking the tiles if the GPU has too few
-    resources for them (remembered per device, dtypes and compile-time arguments)."""
+def _launch(kernel, grid_of, cfg: TileConfig, m_multiple_of_n: bool, call: "Call", args: list,
+            constexprs: dict):
+    """kernel[grid](*args, BLOCK_M, BLOCK_N, **constexprs), shrinking the tiles (tuning.shrunk)
+    if the GPU has too few resources for them."""
     from triton.runtime.errors import OutOfResources
-    key = (kernel.__name__, cfg, args[0].device, args[0].dtype, tuple(sorted(kwargs.items())))
+    key = (kernel.__name__, cfg, call.q.device, call.q.dtype, tuple(sorted(constexprs.items())))
     cfg = _working_configs.get(key, cfg)
     while True:
         try:
             kernel[grid_of(cfg)](*args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kwargs)
+                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs)
             _working_configs[key] = cfg
             return
         except OutOfResources:
@@ -253,15 +186,19 @@ def _launch(kernel, grid_of, cfg: TileConfig, m_multiple_of_n: bool, *args, **kw
             cfg = smaller
 
 
-# ----------------------------------------------------------------------------- arguments
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 def _block_d(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
+
+
+def _check_grid(*dims):
+    if dims[1] > 65535 or dims[2] > 65535:
+        raise ValueError(
+            f"lowering='triton' launches grids (tiles, batch*heads, segments) = {dims}; the last "
+            f"two must be at most 65535")
 
 
 def _mask_args(attn_mask, b: int, h: int, n: int, like: torch.Tensor):
@@ -287,22 +224,114 @@ def _dropout_args(dropout_p: float, seed, like: torch.Tensor):
     return seed.reshape(()), True, keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
 
 
-def _precision(dtype: torch.dtype, interpreted: bool, upcast: bool) -> str:
-    """tl.dot's input_precision for float32 inputs: plain TF32 only where torch allows it for
-    matmuls (torch.set_float32_matmul_precision("high" or "medium")); otherwise "tf32x3", three
-    TF32 products that carry float32's accuracy on the tensor cores ("ieee" runs on the FMA
-    units and spills registers at these tile sizes). HILBERT_FX_TRITON_FP32_PRECISION overrides.
-    Irrelevant for 16-bit inputs."""
-    if upcast or interpreted:
-        return "ieee"
-    if dtype != torch.float32:
-        return "tf32"  # tl.dot's default
-    forced = os.environ.get("HILBERT_FX_TRITON_FP32_PRECISION")
-    if forced:
-        if forced not in ("ieee", "tf32", "tf32x3"):
-            raise ValueError(f"HILBERT_FX_TRITON_FP32_PRECISION must be ieee, tf32 or tf32x3, got {forced!r}")
-        return forced
-    return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+@dataclass(frozen=True)
+class Branch:
+    """One plan as the kernels read it: its positions (int32, padded: `_plan_tensors`) and counts
+    on the call's device, and whether rows are reached by arithmetic instead (STRIDED)."""
+    plan: BranchPlan
+    pos: torch.Tensor
+    cnt: torch.Tensor
+    strided: bool
+
+    def grid(self, tile: int, programs: int) -> tuple[int, int, int]:
+        """(tiles of a set, programs per segment, segments), checked against CUDA's limits."""
+        dims = (_cdiv(self.plan.set_size, tile), programs, self.plan.num_segments)
+        _check_grid(*dims)
+        return dims
+
+
+@dataclass(frozen=True)
+class Call:
+    """What every kernel launch of one forward or backward call shares: the inputs, the mask, the
+    dropout, the softmax's scale, the compile-time choices, and the knobs (lowering/tuning.py).
+
+    `operands(branch)` is the run of positional arguments that lowering/triton_kernels.py's
+    _fwd_kernel, _bwd_dkdv_kernel and _bwd_dq_kernel all take after their own buffers (that
+    module's docstring lists it); `constexprs()` the compile-time arguments they share."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor | None  # the backward's dO; None in the forward, whose kernel takes none
+    mask: torch.Tensor  # q when there is none (never read)
+    mask_kind: int  # 0 none, 1 boolean, 2 additive float
+    mask_strides: tuple
+    seed: torch.Tensor  # q when there is no dropout (never read)
+    dropout: bool
+    threshold: int
+    drop_scale: float
+    scale: float
+    is_causal: bool
+    interpreted: bool
+    upcast: bool  # the interpreter's bfloat16 tiles go through float32
+    precision: str
+    knobs: Tuning
+
+    @property
+    def b(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def hq(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def hkv(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def d(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def dv(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hkv
+
+    def tiles(self, kind: str) -> TileConfig:
+        return tile_config(kind, self.q.device, self.q.dtype, self.d, self.interpreted,
+                           self.mask_kind != 0, knobs=self.knobs)
+
+    def branch(self, plan: BranchPlan) -> Branch:
+        pos, cnt, strided = _plan_tensors(plan, self.q.device)
+        return Branch(plan, pos, cnt, strided)
+
+    def operands(self, br: Branch) -> list:
+        tensors = [self.q, self.k, self.v] + ([] if self.dout is None else [self.dout])
+        strides = [s for t in tensors for s in t.stride()]
+        return [*tensors, br.pos, br.cnt, self.mask, self.seed,
+                *strides, *self.mask_strides, *br.pos.stride(), *br.cnt.stride(),
+                self.hq, self.hkv, self.n, self.group, br.plan.segment_length,
+                br.plan.dilation_rate, self.scale * LOG2E, self.scale, self.threshold,
+                self.drop_scale]
+
+    def constexprs(self, br: Branch, **own) -> dict:
+        return dict(HEAD_DIM=self.d, HEAD_DIM_V=self.dv, BLOCK_D=_block_d(self.d),
+                    BLOCK_DV=_block_d(self.dv), STRIDED=br.strided, CAUSAL=self.is_causal,
+                    MASK_KIND=self.mask_kind, DROPOUT=self.dropout, UPCAST=self.upcast,
+                    PRECISION=self.precision, **own)
+
+
+def _call(q, k, v, attn_mask, dropout_p, seed, scale, is_causal, dout=None) -> Call:
+    interpreted = _check_device(q)
+    _check_inputs(q, k, v)
+    b, hq, n, _ = q.shape
+    knobs = tuning()
+    mask, mask_kind, mstrides = _mask_args(attn_mask, b, hq, n, q)
+    seed_t, dropout, threshold, drop_scale = _dropout_args(dropout_p, seed, q)
+    upcast = interpreted and q.dtype == torch.bfloat16
+    return Call(q, k, v, dout, mask, mask_kind, tuple(mstrides), seed_t, dropout, threshold,
+                drop_scale, float(scale), bool(is_causal), interpreted, upcast,
+                fp32_precision(q.dtype, interpreted, upcast, knobs), knobs)
+
+
+# ----------------------------------------------------------------------------- plans
 
 
 # The backward's epilogues address a head's gradient rows with int32 offsets (fewer spilled
@@ -311,6 +340,10 @@ def _precision(dtype: torch.dtype, interpreted: bool, upcast: bool) -> str:
 INT32_OFFSET_LIMIT = 2**31
 
 POSITION_PAD = 256  # the largest BLOCK_M / BLOCK_N: a tile past a set's last may be prefetched
+
+# What the kernels read of each plan, per plan object and device (plans are frozen; most are
+# cached by their makers, so this runs once per plan, not per call)
+_plan_cache = PlanCache()
 
 
 def _plan_tensors(plan: BranchPlan, device):
@@ -322,8 +355,9 @@ def _plan_tensors(plan: BranchPlan, device):
     tile of positions, and the next tile's ahead of time, without a mask. On an H200 this took
     the Hilbert order's forward at N = 64K from 5.21 to 5.04 ms and from 5.25 to 5.08 ms, timed
     in one process against int64 positions and masked loads (BENCHMARKS.md)."""
-    cached = getattr(plan, "_triton_tensors", None)
-    if cached is None or cached[0].device != device:
+    device = torch.device(device)
+
+    def make():
         cnt = plan.counts.to(device)
         pos = plan.positions.to(device)
         if not plan.is_strided:
@@ -333,39 +367,25 @@ def _plan_tensors(plan: BranchPlan, device):
                                  dtype=torch.int32, device=device)
             padded[:, :, :m] = torch.where(valid, pos, 0).to(torch.int32)
             pos = padded
-        cached = (pos, cnt, plan.is_strided)
-        object.__setattr__(plan, "_triton_tensors", cached)  # plans are frozen and cached
-    return cached
+        return pos, cnt, plan.is_strided
+
+    return _plan_cache.get(plan, str(device), make)
 
 
-def _check_grid(*dims):
-    if dims[1] > 65535 or dims[2] > 65535:
-        raise ValueError(
-            f"lowering='triton' launches grids (tiles, batch*heads, segments) = {dims}; the last "
-            f"two must be at most 65535")
-
-
-def _common(q, k, v, attn_mask, dropout_p, seed):
-    interpreted = _check_device(q)
-    _check_inputs(q, k, v)
-    b, hq, n, d = q.shape
-    hkv, dv = k.shape[1], v.shape[-1]
-    mask, mask_kind, mstrides = _mask_args(attn_mask, b, hq, n, q)
-    seed_t, dropout, threshold, drop_scale = _dropout_args(dropout_p, seed, q)
-    upcast = interpreted and q.dtype == torch.bfloat16
-    return dict(
-        interpreted=interpreted, b=b, hq=hq, hkv=hkv, n=n, d=d, dv=dv, group=hq // hkv,
-        mask=mask, mask_kind=mask_kind, mstrides=mstrides, seed=seed_t, dropout=dropout,
-        threshold=threshold, drop_scale=drop_scale, upcast=upcast,
-        precision=_precision(q.dtype, interpreted, upcast),
-        block_d=_block_d(d), block_dv=_block_d(dv))
+def _complete(plan: BranchPlan) -> bool:
+    """Whether every row is in some set of the plan (False where rows are padding)."""
+    return bool(getattr(plan, "complete", True))
 
 
 def _forward_order(plans):
-    """Branches with r > 1 first; one with r == 1 (it selects every row) last."""
-    full = [p for p in plans if p.dilation_rate == 1]
-    rest = [p for p in plans if p.dilation_rate != 1]
-    return rest + full[1:] + full[:1], bool(full)
+    """(order, covers): branches with r > 1 first; a complete one with r == 1 (it selects every
+    row, so it may write the final result in place) last, when there is one (covers)."""
+    last = next((p for p in plans if p.dilation_rate == 1 and _complete(p)), None)
+    if last is None:
+        return list(plans), False
+    rest = [p for p in plans if p is not last]
+    return [p for p in rest if p.dilation_rate != 1] + [p for p in rest if p.dilation_rate == 1] \
+        + [last], True
 
 
 _seen_cache: dict = {}
@@ -374,8 +394,11 @@ _seen_cache: dict = {}
 def _selected_rows(plan: BranchPlan, num_heads: int) -> torch.Tensor:
     """[num_heads, N] bool: the positions query head h selects in this branch (offset h % r)."""
     r, n = plan.dilation_rate, plan.seq_len
-    sel = torch.zeros(r, n + 1, dtype=torch.bool, device=plan.positions.device)
-    sel.scatter_(1, plan.positions.reshape(r, -1), True)  # padding is position N: column N
+    pos = plan.positions.reshape(r, -1, plan.set_size)
+    valid = torch.arange(plan.set_size, device=pos.device) < plan.counts.unsqueeze(-1)
+    pos = torch.where(valid, pos, n)  # past a set's count: column N, dropped below
+    sel = torch.zeros(r, n + 1, dtype=torch.bool, device=pos.device)
+    sel.scatter_(1, pos.reshape(r, -1), True)
     heads = torch.arange(num_heads, device=sel.device) % r
     return sel[:, :n].index_select(0, heads)
 
@@ -383,7 +406,8 @@ def _selected_rows(plan: BranchPlan, num_heads: int) -> torch.Tensor:
 def _seen_rows(before, hq: int, hkv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(query rows [Hq, N], key rows [Hkv, N]) uint8: 1 where a branch of `before` (launched
     earlier) wrote a gradient row, which a later branch adds to; its other rows are not
-    initialised. Made once per sequence of plans and head counts."""
+    initialised. Made once per sequence of plans and head counts (the entry holds the plans, so
+    their ids stay theirs while it lives)."""
     key = (tuple(id(p) for p in before), hq, hkv, str(device))
     hit = _seen_cache.get(key)
     if hit is None:
@@ -398,12 +422,8 @@ def _seen_rows(before, hq: int, hkv: int, device) -> tuple[torch.Tensor, torch.T
 
 
 def deterministic() -> bool:
-    return os.environ.get("HILBERT_FX_DETERMINISTIC", "0") not in ("", "0") or \
-        torch.are_deterministic_algorithms_enabled()
-
-
-def _use_atomic_dq() -> bool:
-    return os.environ.get("HILBERT_FX_TRITON_ATOMIC_DQ", "0") not in ("", "0") and not deterministic()
+    """Whether the backward must be bitwise repeatable (lowering/tuning.py)."""
+    return tuning().deterministic()
 
 
 # ----------------------------------------------------------------------------- forward
@@ -412,8 +432,8 @@ def _use_atomic_dq() -> bool:
 def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, scale: float,
             dropout_p: float = 0.0, seed=None):
     """Returns (out [B, Hq, N, Dv] in q.dtype, lse [B, Hq, N] float32, -inf for rows with no key)."""
-    c = _common(q, k, v, attn_mask, dropout_p, seed)
-    b, hq, n, dv = c["b"], c["hq"], c["n"], c["dv"]
+    call = _call(q, k, v, attn_mask, dropout_p, seed, scale, is_causal)
+    b, hq, n, dv = call.b, call.hq, call.n, call.dv
     lse = torch.full((b, hq, n), NEG_INF, dtype=torch.float32, device=q.device)
     if b * hq * n == 0 or not plans:
         return torch.zeros(b, hq, n, dv, dtype=q.dtype, device=q.device), lse
@@ -422,30 +442,18 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
     single = covers and len(order) == 1
     acc = out if single else torch.empty(b, hq, n, dv, dtype=torch.float32, device=q.device)
     kern = _kernels()
-    cfg = tile_config("fwd", q.device, q.dtype, c["d"], c["interpreted"], c["mask_kind"] != 0)
+    cfg = call.tiles("fwd")
     for i, plan in enumerate(order):
-        last = covers and i == len(order) - 1
-        pos, cnt, strided = _plan_tensors(plan, q.device)
-        if gluon_forward.unsupported(q, k, v, plan, is_causal=is_causal, mask_kind=c["mask_kind"],
-                                     dropout=c["dropout"], scale=scale) is None:
-            gluon_forward.launch(q, k, v, out, acc, lse, plan, pos, is_causal=is_causal,
-                                 scale=scale, first=i == 0, last=last)
+        first, last = i == 0, covers and i == len(order) - 1
+        br = call.branch(plan)
+        if gluon_forward.unsupported(q, k, v, plan, is_causal=is_causal, mask_kind=call.mask_kind,
+                                     dropout=call.dropout, scale=scale) is None:
+            gluon_forward.launch(q, k, v, out, acc, lse, plan, br.pos, is_causal=is_causal,
+                                 scale=scale, first=first, last=last)
             continue
-
-        def grid(cfg, plan=plan):
-            dims = (_cdiv(plan.set_size, cfg.block_m), b * hq, plan.num_segments)
-            _check_grid(*dims)
-            return dims
-
-        _launch(kern._fwd_kernel, grid, cfg, True,
-                q, k, v, out, acc, lse, pos, cnt, c["mask"], c["seed"],
-                *q.stride(), *k.stride(), *v.stride(), *c["mstrides"],
-                *pos.stride(), *cnt.stride(), hq, n, c["group"], plan.segment_length,
-                plan.dilation_rate, scale * LOG2E, c["threshold"], c["drop_scale"],
-                HEAD_DIM=c["d"], HEAD_DIM_V=dv, BLOCK_D=c["block_d"], BLOCK_DV=c["block_dv"],
-                STRIDED=strided, CAUSAL=bool(is_causal), MASK_KIND=c["mask_kind"],
-                DROPOUT=c["dropout"], FIRST=i == 0, LAST=last, UPCAST=c["upcast"],
-                PRECISION=c["precision"], NONNEG_SCALE=scale >= 0)
+        _launch(kern._fwd_kernel, lambda cfg, br=br: br.grid(cfg.block_m, b * hq), cfg, True,
+                call, [out, acc, lse, *call.operands(br)],
+                call.constexprs(br, FIRST=first, LAST=last, NONNEG_SCALE=scale >= 0))
     if not covers:  # rows no branch selects: out 0 (acc holds nothing there), lse -inf
         out = torch.where((lse > NEG_INF).unsqueeze(-1), acc, 0.0).to(q.dtype)
     return out, lse
@@ -457,29 +465,29 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
 def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: bool, attn_mask,
              scale: float, dropout_p: float = 0.0, seed=None):
     """Returns (dq, dk, dv) in the inputs' dtypes, given the op's final out and lse."""
-    c = _common(q, k, v, attn_mask, dropout_p, seed)
-    b, hq, hkv, n, d, dv = c["b"], c["hq"], c["hkv"], c["n"], c["d"], c["dv"]
+    call = _call(q, k, v, attn_mask, dropout_p, seed, scale, is_causal, dout=dout)
+    b, hq, hkv, n, d, dv = call.b, call.hq, call.hkv, call.n, call.d, call.dv
     if b * hq * n == 0 or not plans:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     kern = _kernels()
-    interpreted = c["interpreted"]
 
     lse = lse.to(torch.float32).contiguous()
     delta = torch.empty(b, hq, n, dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
-    pre_m = 16 if interpreted else 64
+    pre_m = 16 if call.interpreted else 64
     kern._bwd_preprocess[(_cdiv(n, pre_m), b * hq)](
         out, dout, lse, delta, lse2, *out.stride(), *dout.stride(), hq, n,
-        HEAD_DIM_V=dv, BLOCK_DV=c["block_dv"], BLOCK_M=pre_m)
+        HEAD_DIM_V=dv, BLOCK_DV=_block_d(dv), BLOCK_M=pre_m)
 
-    # The order of the forward: a branch with r == 1, if any, runs last and writes dq, dk, dv in
-    # the inputs' dtype (it has every row); the ones before add up in float32 buffers that are
-    # never zeroed (each launch reads only rows an earlier one wrote: _seen_rows).
+    # The order of the forward: a complete branch with r == 1, if any, runs last and writes dq,
+    # dk, dv in the inputs' dtype (it has every row); the ones before add up in float32 buffers
+    # that are never zeroed (each launch reads only rows an earlier one wrote: _seen_rows).
     order, covers = _forward_order(plans)
-    atomic = _use_atomic_dq()
+    det = call.knobs.deterministic()
+    atomic = call.knobs.atomic_dq and not det
     hopper = [gluon_backward.unsupported(q, k, v, plan, is_causal=is_causal,
-                                         mask_kind=c["mask_kind"], dropout=c["dropout"],
-                                         scale=scale, deterministic=deterministic()) is None
+                                         mask_kind=call.mask_kind, dropout=call.dropout,
+                                         scale=scale, deterministic=det) is None
               for plan in order]
     # dq in a zeroed float32 buffer that the Hopper kernel (and the Triton dK/dV kernel when
     # `atomic`) adds to by atomics, and the Triton dq kernel reads wherever it writes
@@ -489,8 +497,9 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
     def new(h, dim, dtype=torch.float32, used=True):
         return torch.empty((b, h, n, dim) if used else (0,), dtype=dtype, device=q.device)
 
-    # the gradients in the inputs' dtype, written by the r == 1 branch (dq's not when dq is
-    # summed in the zeroed buffer), and the float32 sums of the branches before it
+    # the gradients in the inputs' dtype, written by the last branch when it covers every row
+    # (dq's not when dq is summed in the zeroed buffer), and the float32 sums of the branches
+    # before it
     grads = [new(hq, d, q.dtype, covers and not dq_zeroed), new(hkv, d, q.dtype, covers),
              new(hkv, dv, q.dtype, covers)]
     dk, dvb = grads[1:] if alone else (new(hkv, d), new(hkv, dv))
@@ -502,53 +511,33 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
     # the Seen of a Triton dq kernel adding to the zeroed dq: every row (made only if one runs)
     every_q = torch.ones(hq, n, dtype=torch.uint8, device=q.device) \
         if dq_zeroed and not atomic and not all(hopper) else nothing
-    common = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=c["block_d"], BLOCK_DV=c["block_dv"],
-                  CAUSAL=bool(is_causal), MASK_KIND=c["mask_kind"], DROPOUT=c["dropout"],
-                  UPCAST=c["upcast"], PRECISION=c["precision"],
-                  WIDE=n * max(c["block_d"], c["block_dv"]) >= INT32_OFFSET_LIMIT)
-    kv_cfg = tile_config("dkdv", q.device, q.dtype, d, interpreted, c["mask_kind"] != 0)
-    q_cfg = tile_config("dq", q.device, q.dtype, d, interpreted, c["mask_kind"] != 0)
-    group = c["group"]
+    wide = n * max(_block_d(d), _block_d(dv)) >= INT32_OFFSET_LIMIT
+    kv_cfg, q_cfg = call.tiles("dkdv"), call.tiles("dq")
+    group = call.group
     for i, plan in enumerate(order):
-        pos, cnt, strided = _plan_tensors(plan, q.device)
+        br = call.branch(plan)
         first, last = i == 0, covers and i == len(order) - 1
         seen_q, seen_kv = _seen_rows(order[:i], hq, hkv, q.device) if i else (nothing, nothing)
         if hopper[i]:
             gluon_backward.launch(q, k, v, dout, dq, dk, dvb, grads[1], grads[2], seen_kv, lse2,
-                                  delta, plan, pos, is_causal=is_causal, scale=scale, first=first,
-                                  last=last)
+                                  delta, plan, br.pos, is_causal=is_causal, scale=scale,
+                                  first=first, last=last)
             continue
         classes = min(plan.dilation_rate, group)
-        scalars = (plan.segment_length, plan.dilation_rate, scale * LOG2E, scale, c["threshold"],
-                   c["drop_scale"])
-
-        def kv_grid(cfg, plan=plan, classes=classes):
-            dims = (_cdiv(plan.set_size, cfg.block_n), b * hkv * classes, plan.num_segments)
-            _check_grid(*dims)
-            return dims
-
-        _launch(kern._bwd_dkdv_kernel, kv_grid, kv_cfg, False,
-                q, k, v, dout, dk, dvb, dq, grads[1], grads[2], seen_kv, lse2, delta, pos, cnt,
-                c["mask"], c["seed"],
-                *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *c["mstrides"],
-                *pos.stride(), *cnt.stride(), hq, hkv, n, group, classes, *scalars,
-                STRIDED=strided, FIRST=first, LAST=last, ONE_HEAD=group <= plan.dilation_rate,
-                ATOMIC_DQ=atomic, **common)
+        _launch(kern._bwd_dkdv_kernel,
+                lambda cfg, br=br, classes=classes: br.grid(cfg.block_n, b * hkv * classes),
+                kv_cfg, False, call,
+                [dk, dvb, dq, grads[1], grads[2], seen_kv, lse2, delta, *call.operands(br),
+                 classes],
+                call.constexprs(br, FIRST=first, LAST=last, ONE_HEAD=group <= plan.dilation_rate,
+                                ATOMIC_DQ=atomic, WIDE=wide))
         if atomic:
             continue
-
-        def q_grid(cfg, plan=plan):
-            dims = (_cdiv(plan.set_size, cfg.block_m), b * hq, plan.num_segments)
-            _check_grid(*dims)
-            return dims
-
-        _launch(kern._bwd_dq_kernel, q_grid, q_cfg, True,
-                q, k, v, dout, dq, grads[0], every_q if dq_zeroed else seen_q, lse2, delta, pos,
-                cnt, c["mask"], c["seed"],
-                *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *c["mstrides"],
-                *pos.stride(), *cnt.stride(), hq, n, group, *scalars,
-                STRIDED=strided, FIRST=first and not dq_zeroed, LAST=last and not dq_zeroed,
-                **common)
+        _launch(kern._bwd_dq_kernel, lambda cfg, br=br: br.grid(cfg.block_m, b * hq), q_cfg,
+                True, call,
+                [dq, grads[0], every_q if dq_zeroed else seen_q, lse2, delta, *call.operands(br)],
+                call.constexprs(br, FIRST=first and not dq_zeroed, LAST=last and not dq_zeroed,
+                                WIDE=wide))
     if not dq_zeroed and covers:
         return tuple(grads)
     if covers:

@@ -7,7 +7,7 @@ each selected set, and when the kernel is not used.
 import pytest
 import torch
 
-from hilbert_fx.lowering import gluon_forward
+from hilbert_fx.lowering import gluon_forward, tuning
 from hilbert_fx.lowering.plans import branch_plan
 
 
@@ -46,6 +46,7 @@ def test_not_used_on_cpu_or_when_turned_off(monkeypatch):
     assert why == "not a compute capability 9.x GPU"
     assert "(256, 1) forward: Triton kernel (not a compute capability 9.x GPU)" in gluon_forward.kernel_choices()
     monkeypatch.setenv("HILBERT_FX_GLUON", "0")
+    monkeypatch.setattr(tuning, "_current", None)  # the knobs are read once: read them again
     why = gluon_forward.unsupported(q, q, q, plan, is_causal=False, mask_kind=0, dropout=False,
                                     scale=0.125)
     assert why == "HILBERT_FX_GLUON=0"

@@ -88,8 +88,9 @@ def test_wrong_rank(which, shape):
                                          ("128,64,4", "BLOCK_M,BLOCK_N,num_warps,num_stages")])
 def test_tile_override_rejected(monkeypatch, value, match):
     """HILBERT_FX_TRITON_FWD: tiles past 256 would read past the plan's padded positions."""
-    from hilbert_fx.lowering import triton_lowering
+    from hilbert_fx.lowering import triton_lowering, tuning
     monkeypatch.setenv("HILBERT_FX_TRITON_FWD", value)
+    monkeypatch.setattr(tuning, "_current", None)  # the knobs are read once: read them again
     with pytest.raises(ValueError, match=f"HILBERT_FX_TRITON_FWD.*{match}|{match}.*HILBERT_FX_TRITON_FWD"):
         triton_lowering.tile_config("fwd", torch.device("cpu"), torch.float32, 64, interpreted=True)
 

@@ -462,9 +462,10 @@ def test_triton_backward_orders(cfg, atomic_dq, monkeypatch):
     never zeroed, reading only rows an earlier launch wrote, and lets the r == 1 branch write
     the final gradients: poisoned buffers show any read of a row nobody wrote."""
     require_lowering("triton")
-    from hilbert_fx.lowering import triton_lowering
+    from hilbert_fx.lowering import triton_lowering, tuning
     monkeypatch.setattr(triton_lowering, "torch", _PoisonedTorch())
     monkeypatch.setenv("HILBERT_FX_TRITON_ATOMIC_DQ", atomic_dq)
+    monkeypatch.setattr(tuning, "_current", None)  # the knobs are read once: read them again
     out, ref, g_out, g_ref = run_both(cfg, lowering="triton")
     assert_matches(out, ref, "out")
     sc = common_scale(ref, *g_ref)
@@ -477,10 +478,11 @@ def test_triton_backward_int64_offsets(cfg, monkeypatch):
     """The backward's epilogues address gradient rows with int32 offsets within a head unless
     N * BLOCK_D reaches 2**31 (WIDE); lowering the limit runs the int64 path on small shapes."""
     require_lowering("triton")
-    from hilbert_fx.lowering import triton_lowering
+    from hilbert_fx.lowering import triton_lowering, tuning
     monkeypatch.setattr(triton_lowering, "torch", _PoisonedTorch())
     monkeypatch.setattr(triton_lowering, "INT32_OFFSET_LIMIT", 1)
     monkeypatch.setenv("HILBERT_FX_TRITON_ATOMIC_DQ", "0")
+    monkeypatch.setattr(tuning, "_current", None)  # the knobs are read once: read them again
     out, ref, g_out, g_ref = run_both(cfg, lowering="triton")
     sc = common_scale(ref, *g_ref)
     for name, a, b in zip("qkv", g_out, g_ref):
