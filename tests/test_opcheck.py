@@ -22,6 +22,17 @@ def cases():
     yield "float_mask", (q, k, v, [16], [4], True, False, torch.randn(n, n), 0.0, None, 0.3, "sdpa")
     yield "dropout", (q, k, v, [4, 8], [1, 2], True, True, None, 0.25,
                       torch.tensor(1234), 0.3, "sdpa")
+    # SPEC section 5: packed rows with padding, and queries against a cache (decode path, and
+    # a chunk long enough for the path that places the queries at their rows)
+    packed = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, -1, -1]]).expand(2, n).contiguous()
+    yield "packed", (q, k, v, [4, 8], [1, 2], True, True, None, 0.0, None, 0.3, "sdpa", packed, None)
+    used = torch.tensor([13, 9])
+    q1 = torch.randn(2, 4, 1, 8, requires_grad=True)
+    yield "decode", (q1, k2, v2, [4, 8], [1, 2], True, True, None, 0.0, None, 0.3, "sdpa", None, used)
+    qs = torch.randn(2, 4, 40, 8, requires_grad=True)
+    ks, vs = (torch.randn(2, 2, 50, 8, requires_grad=True) for _ in range(2))
+    yield "chunk", (qs, ks, vs, [16], [2], False, True, None, 0.0, None, 0.3, "sdpa", None,
+                    torch.tensor([50, 44]))
 
 
 @pytest.mark.parametrize("name,args", list(cases()), ids=[c[0] for c in cases()])
