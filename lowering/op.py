@@ -86,7 +86,7 @@ def _forward(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_
         q = _at_rows(q, cache.query_rows, k.shape[2])
     else:
         positions, cache = what, None
-    plans = sequences.sequence_plans(positions, segment_lengths, dilation_rates, hilbert)
+    plans = sequences.plans_of(positions, segment_lengths, dilation_rates, hilbert)
     out, lse = lower.forward(sequences.flat_rows(q), sequences.flat_rows(k),
                              sequences.flat_rows(v), plans, is_causal=is_causal, attn_mask=None,
                              scale=scale, dropout_p=dropout_p, seed=seed)
@@ -184,7 +184,7 @@ def _backward_in(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbe
         lse = _at_rows(lse.unsqueeze(-1), rows_q, nk).squeeze(-1)
     else:
         positions, rows_q = what, None
-    plans = sequences.sequence_plans(positions, segment_lengths, dilation_rates, hilbert)
+    plans = sequences.plans_of(positions, segment_lengths, dilation_rates, hilbert)
     flat = sequences.flat_rows
     dq, dk, dv = lower.backward(flat(dout), flat(q), flat(k), flat(v), flat(out),
                                 lse.transpose(0, 1).reshape(1, lse.shape[1], -1),

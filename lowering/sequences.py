@@ -17,6 +17,7 @@ place where it meets the lowerings is `plan_of` below:
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -79,6 +80,31 @@ def sequence_plans(positions: Tensor, segment_lengths, dilation_rates, hilbert: 
         cnt.index_put_((cls, segment), torch.ones_like(tokens), accumulate=True)
         plans.append(BranchPlan(w, r, total, pos[:, :s].contiguous(), cnt[:, :s].contiguous(),
                                 strided=False, complete=bool(complete)))
+    return plans
+
+
+# Plans per position tensor, as long as it lives and is not written to: the layers of a model
+# all pass the same position_ids (one tensor, or views of it), so the host reads the number of
+# segments once per batch rather than once per layer and pass.
+_plans: dict = {}
+
+
+def plans_of(positions: Tensor, segment_lengths, dilation_rates, hilbert: bool) -> list[BranchPlan]:
+    """sequence_plans, cached for the tensor whose view `positions` is (weakly: a new batch's
+    position_ids is a new tensor; an in-place change bumps its version)."""
+    root = positions._base if positions._base is not None else positions
+    try:
+        version = root._version
+    except RuntimeError:  # inference tensors count no versions: nothing proves them unchanged
+        return sequence_plans(positions, segment_lengths, dilation_rates, hilbert)
+    key = (id(root), version, positions.storage_offset(), tuple(positions.shape),
+           tuple(positions.stride()), tuple(segment_lengths), tuple(dilation_rates), bool(hilbert))
+    hit = _plans.get(key)
+    if hit is not None and hit[0]() is root:
+        return hit[1]
+    plans = sequence_plans(positions, segment_lengths, dilation_rates, hilbert)
+    _plans[key] = (weakref.ref(root), plans)
+    weakref.finalize(root, _plans.pop, key, None)
     return plans
 
 
