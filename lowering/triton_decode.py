@@ -1,0 +1,369 @@
+"""A fused Triton decode kernel: queries that continue a cached causal sequence (SPEC section 5).
+
+FlashDecoding over dilated attention. A query at key row `row`, position p in its sequence
+(which starts at key row s = row - p), lies in branch (w, r) in segment j = p // w at
+in-segment position c = p % w, in offset class o = rank(c) % r (rank: the inverse of the order
+pi_w, the identity or the Hilbert order). Query head h takes part in the branch only when
+h % r == o; its keys are then the rows s + j*w + e for the members e of class o with e <= c.
+The members of a class are kept in ascending order, so the causal keys are a prefix of them:
+the first slot_of[c] + 1 (slot_of[c] is c's own index among its class's members). A query thus
+reads at most w / r key rows per branch, however long the cache is.
+
+Two launches, whatever the number of branches:
+- `_decode_split_kernel`: one program per (batch * kv head * query, split). The splits are
+  chunks of SPLIT_N consecutive members of one branch's class; every branch has its own splits
+  and a small table (`meta`) says which branch and which members a split covers. A program
+  serves all query heads of its kv head at once (grouped-query attention reads each key row
+  once per group): the heads that do not take part in the branch are masked out. It writes its
+  partial result, normalised, and its log-sum-exp (float32; -inf and 0 where it has no key).
+- `_decode_combine_kernel`: one program per (batch * head * query) merges the partials of all
+  splits of all branches by log-sum-exp. That one merge is SPEC section 2's mixture: a softmax
+  over the union of the branches' key sets, each branch's keys counted once.
+
+No host synchronisation: every launch parameter comes from shapes and from tables built once
+per configuration (make one call before capturing a CUDA graph, so the tables exist). Forward
+only: decoding has no backward, and nothing here records one.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from .plans import hilbert_order
+from .triton_lowering import LOG2E, MAX_HEAD_DIM, NEG_INF, SUPPORTED_DTYPES, interpreter_active
+
+import triton  # noqa: E402  (after triton_lowering, which sets TRITON_INTERPRET where needed)
+import triton.language as tl  # noqa: E402
+
+META_COLS = 8  # w, r, members offset, set size, table offset, first member of the split, -, -
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _decode_split_kernel(Q, K, V, KPos, QRows, Members, ClassOf, SlotOf, Meta, OPart, LPart,
+                         stride_qb, stride_qh, stride_qn, stride_qd,
+                         stride_kb, stride_kh, stride_kn, stride_kd,
+                         stride_vb, stride_vh, stride_vn, stride_vd,
+                         stride_pb, stride_pn, stride_rb, stride_rn,
+                         HQ, HKV, NQ, NK, GROUP, NUM_SPLITS, SPLIT_N, qk_scale,
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                         UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One split of one branch for the query heads of one kv head at one query.
+
+    OPart [B, HQ, NQ, NUM_SPLITS, HEAD_DIM_V] float32 gets the split's normalised output,
+    LPart [B, HQ, NQ, NUM_SPLITS] its natural log-sum-exp (-inf, with output 0, without keys).
+    """
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    i = (pid % NQ).to(tl.int64)
+    bg = pid // NQ
+    b = bg // HKV
+    g = bg % HKV
+    b64 = b.to(tl.int64)
+
+    meta = Meta + split * 8  # META_COLS
+    w = tl.load(meta)
+    r = tl.load(meta + 1)
+    mem_off = tl.load(meta + 2)
+    set_size = tl.load(meta + 3)
+    tab_off = tl.load(meta + 4)
+    m0 = tl.load(meta + 5)
+
+    # The query: its key row, its position; invalid rows (negative, past the keys, padding)
+    # read row 0 and get no key.
+    row = tl.load(QRows + b64 * stride_rb + i * stride_rn)
+    row_ok = (row >= 0) & (row < NK)
+    row = tl.where(row_ok, row, 0)
+    pos = tl.load(KPos + b64 * stride_pb + row * stride_pn)
+    valid = row_ok & (pos >= 0)
+    pos = tl.where(valid, pos, 0)
+    seg_row = row - pos + (pos // w) * w  # key row of in-segment position 0 of the query's segment
+    c = pos % w
+    cls = tl.load(ClassOf + tab_off + c)
+    count = tl.load(SlotOf + tab_off + c) + 1  # members e <= c: a prefix of the ascending class
+    offs_h = tl.arange(0, BLOCK_H)
+    heads = g * GROUP + offs_h
+    in_group = offs_h < GROUP
+    head_ok = in_group & (heads % r == cls)
+    # no key when the query is invalid or none of the group's heads takes part in the branch
+    # (with r > GROUP that is most programs: they must not read the keys)
+    any_head = tl.max(head_ok.to(tl.int32), 0) > 0
+    hi = tl.where(valid & any_head, tl.minimum(count, m0 + SPLIT_N), m0)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b64 * stride_qb + heads.to(tl.int64)[:, None] * stride_qh + i * stride_qn
+                + offs_d[None, :] * stride_qd,
+                mask=head_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if UPCAST:  # the interpreter multiplies bfloat16 as raw integers in tl.dot: go through float32
+        q = q.to(tl.float32)
+    K_base = K + b64 * stride_kb + g.to(tl.int64) * stride_kh
+    V_base = V + b64 * stride_vb + g.to(tl.int64) * stride_vh
+    set_base = Members + mem_off + cls * set_size
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for start in range(m0, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < hi
+        e = tl.load(set_base + offs_n, mask=key_ok, other=0)
+        krow = seg_row + e
+        key_ok = key_ok & (krow >= 0) & (krow < NK)  # rows outside the cache: never read
+        k = tl.load(K_base + krow[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=key_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        v = tl.load(V_base + krow[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                    mask=key_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s = tl.where(head_ok[:, None] & key_ok[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_use = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_use)) * 0.6931471805599453)
+    o = acc / l_use[:, None]
+    part = ((b64 * HQ + heads.to(tl.int64)) * NQ + i) * NUM_SPLITS + split  # [BLOCK_H]
+    tl.store(OPart + part[:, None] * HEAD_DIM_V + offs_dv[None, :], o,
+             mask=in_group[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    tl.store(LPart + part, lse, mask=in_group)
+
+
+@triton.jit
+def _decode_combine_kernel(OPart, LPart, Out, Lse, NUM_SPLITS,
+                           HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                           BLOCK_S: tl.constexpr):
+    """Merges the NUM_SPLITS partials of one (batch, head, query) by log-sum-exp: Out (q's
+    dtype, contiguous [B, HQ, NQ, HEAD_DIM_V]) and Lse (float32); no key at all: 0 and -inf."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    top = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        lse_s = tl.load(LPart + row * NUM_SPLITS + s0 + offs_s, mask=s0 + offs_s < NUM_SPLITS,
+                        other=float("-inf"))
+        top = tl.maximum(top, lse_s)
+    top_all = tl.max(top, 0)
+    base = tl.where(top_all == float("-inf"), 0.0, top_all)
+    total = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        ok = s0 + offs_s < NUM_SPLITS
+        lse_s = tl.load(LPart + row * NUM_SPLITS + s0 + offs_s, mask=ok, other=float("-inf"))
+        wt = tl.exp(lse_s - base)  # 0 for splits without a key
+        o = tl.load(OPart + (row * NUM_SPLITS + s0 + offs_s)[:, None] * HEAD_DIM_V
+                    + offs_dv[None, :], mask=ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
+                    other=0.0)
+        total += wt
+        acc += tl.sum(o * wt[:, None], 0)
+    total_all = tl.sum(total, 0)
+    none = total_all == 0.0
+    denom = tl.where(none, 1.0, total_all)
+    tl.store(Out + row * HEAD_DIM_V + offs_dv, (acc / denom).to(Out.dtype.element_ty),
+             mask=offs_dv < HEAD_DIM_V)
+    tl.store(Lse + row, tl.where(none, float("-inf"), base + tl.log(denom)))
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+@functools.lru_cache(maxsize=256)
+def _host_tables(w: int, r: int, hilbert: bool) -> tuple[Tensor, Tensor, Tensor]:
+    ranks = hilbert_order(w) if hilbert else torch.arange(w)
+    # ranks[t] is the in-segment position of rank t; rank t belongs to class t % r
+    members = ranks.view(w // r, r).t().sort(dim=-1).values.contiguous()  # [r, w // r]
+    class_of = torch.empty(w, dtype=torch.long)
+    slot_of = torch.empty(w, dtype=torch.long)
+    class_of[members.reshape(-1)] = torch.arange(r).repeat_interleave(w // r)
+    slot_of[members.reshape(-1)] = torch.arange(w // r).repeat(r)
+    return (members.to(torch.int32), class_of.to(torch.int32), slot_of.to(torch.int32))
+
+
+@functools.lru_cache(maxsize=256)
+def _device_tables(w: int, r: int, hilbert: bool, device: str) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(t.to(device) for t in _host_tables(w, r, hilbert))
+
+
+def branch_tables(w: int, r: int, hilbert: bool, device) -> tuple[Tensor, Tensor, Tensor]:
+    """(members int32 [r, w // r], class_of int32 [w], slot_of int32 [w]) of branch (w, r) on
+    `device`, made once: members[o] are the in-segment positions of offset class o, ascending;
+    class_of[c] is c's class and slot_of[c] its index there (members[class_of[c], slot_of[c]]
+    == c)."""
+    w, r = int(w), int(r)
+    if w <= 0 or r <= 0 or w % r:
+        raise ValueError(f"segment length {w} must be a positive multiple of dilation rate {r}")
+    return _device_tables(w, r, bool(hilbert), str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=64)
+def _launch_tables(segment_lengths: tuple, dilation_rates: tuple, hilbert: bool, split_n: int,
+                   device: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(members, class_of, slot_of, meta) over all branches, concatenated; meta int32
+    [splits, META_COLS] holds per split: w, r, members offset, set size, class_of / slot_of
+    offset, first member."""
+    members, class_of, slot_of, meta = [], [], [], []
+    mem_off = tab_off = 0
+    for w, r in zip(segment_lengths, dilation_rates):
+        mem, cls, slot = _host_tables(w, r, hilbert)
+        members.append(mem.reshape(-1))
+        class_of.append(cls)
+        slot_of.append(slot)
+        size = w // r
+        for m0 in range(0, size, split_n):
+            meta.append([w, r, mem_off, size, tab_off, m0, 0, 0])
+        mem_off += mem.numel()
+        tab_off += w
+    # int32 offsets: the tables of every branch together stay far below 2**31 entries
+    meta_t = torch.tensor(meta, dtype=torch.int32)
+    return (torch.cat(members).to(device), torch.cat(class_of).to(device),
+            torch.cat(slot_of).to(device), meta_t.to(device))
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _precision(dtype: torch.dtype, interpreted: bool, upcast: bool) -> str:
+    """tl.dot's input_precision, by lowering/triton_lowering.py's rule: exact float32 ("tf32x3")
+    unless torch allows TF32 for matmuls; the interpreter computes in IEEE anyway."""
+    if upcast or interpreted:
+        return "ieee"
+    if dtype != torch.float32:
+        return "tf32"
+    forced = os.environ.get("HILBERT_FX_TRITON_FP32_PRECISION")
+    if forced in ("ieee", "tf32", "tf32x3"):
+        return forced
+    return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def _split_size(total_keys: int, largest_set: int, programs: int, block_n: int,
+                device: torch.device, interpreted: bool) -> int:
+    """Keys per split: enough splits that programs * splits fills the GPU about twice over, at
+    most 64 splits per branch, whole BLOCK_N tiles."""
+    if interpreted:
+        return 2 * block_n  # small splits: the tests cross split edges with small sets
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = max(1, -(-2 * sms // max(1, programs)))  # splits over all branches
+    split = -(-total_keys // want)
+    split = max(split, -(-largest_set // 64), block_n)
+    return -(-split // block_n) * block_n
+
+
+def decode_forward(q: Tensor, k: Tensor, v: Tensor, key_positions: Tensor, query_rows: Tensor,
+                   segment_lengths, dilation_rates, hilbert: bool, scale: float | None,
+                   *, split_size: int | None = None) -> tuple[Tensor, Tensor]:
+    """Dilated attention of queries that continue cached causal sequences, in two launches.
+
+    q [B, Hq, Nq, D]; k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] (Hq a multiple of Hkv: query head h
+    reads kv head h // (Hq // Hkv)); key_positions int [B, Nk]: each key row's position in its
+    sequence, negative for padding; query_rows int [B, Nq]: the key row each query stands at.
+    A query at a negative row, past Nk or at a padding row gets out 0 and lse -inf, as does a
+    (query, head) that takes part in no branch. scale None means 1 / sqrt(D). split_size: keys
+    per split (a multiple of the kernel's tile), for tests; None chooses.
+
+    Returns (out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] float32, natural log). Forward
+    only: there is no backward (decoding needs none), and no autograd graph is recorded. No host
+    synchronisation: it can be captured in a CUDA graph once a first call built its tables.
+    """
+    interpreted = interpreter_active()
+    if q.device.type == "cpu" and not interpreted:
+        raise RuntimeError("the Triton decode kernel on CPU tensors needs TRITON_INTERPRET=1 set "
+                           "before triton is first imported")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    b, hq, nq, d = q.shape
+    _, hkv, nk, _ = k.shape
+    dv = v.shape[-1]
+    if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[-1] != d:
+        raise ValueError(f"k, v must be [B, Hkv, Nk, D] and [B, Hkv, Nk, Dv] for q {tuple(q.shape)}, "
+                         f"got {tuple(k.shape)}, {tuple(v.shape)}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"Hq ({hq}) must be a multiple of Hkv ({hkv})")
+    if tuple(key_positions.shape) != (b, nk) or tuple(query_rows.shape) != (b, nq):
+        raise ValueError(f"key_positions must be [B, Nk] = {(b, nk)} and query_rows [B, Nq] = "
+                         f"{(b, nq)}, got {tuple(key_positions.shape)}, {tuple(query_rows.shape)}")
+    if q.dtype not in SUPPORTED_DTYPES or not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one of {SUPPORTED_DTYPES}, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    if d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
+        raise ValueError(f"head dims up to {MAX_HEAD_DIM}, got D = {d}, Dv = {dv}")
+    devices = {t.device for t in (q, k, v, key_positions, query_rows)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    segment_lengths = tuple(int(w) for w in segment_lengths)
+    dilation_rates = tuple(int(r) for r in dilation_rates)
+    if len(segment_lengths) != len(dilation_rates):
+        raise ValueError(f"segment_lengths and dilation_rates differ in length: "
+                         f"{segment_lengths}, {dilation_rates}")
+    for w, r in zip(segment_lengths, dilation_rates):
+        if w <= 0 or r <= 0 or w % r:
+            raise ValueError(f"segment length {w} must be a positive multiple of dilation rate {r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+
+    if b * hq * nq == 0 or nk == 0 or not segment_lengths:
+        return (torch.zeros(b, hq, nq, dv, dtype=q.dtype, device=q.device),
+                torch.full((b, hq, nq), NEG_INF, dtype=torch.float32, device=q.device))
+    key_positions = key_positions.to(torch.int64)
+    query_rows = query_rows.to(torch.int64)
+
+    group = hq // hkv
+    upcast = interpreted and q.dtype == torch.bfloat16
+    block_d, block_dv = max(16, _next_pow2(d)), max(16, _next_pow2(dv))
+    block_h = max(16, _next_pow2(group))
+    if interpreted:
+        block_n, num_warps, num_stages = 16, 4, 1
+    else:
+        wide = max(block_d, block_dv) > 128 or q.dtype == torch.float32
+        block_n, num_warps, num_stages = (32 if wide else 64), 4, 2
+    sizes = [w // r for w, r in zip(segment_lengths, dilation_rates)]
+    programs = b * hkv * nq
+    if split_size is None:
+        split_n = _split_size(sum(sizes), max(sizes), programs, block_n, q.device, interpreted)
+    else:
+        if split_size <= 0 or split_size % block_n:
+            raise ValueError(f"split_size must be a positive multiple of {block_n}, got {split_size}")
+        split_n = int(split_size)
+    members, class_of, slot_of, meta = _launch_tables(
+        segment_lengths, dilation_rates, bool(hilbert), split_n, str(q.device))
+    num_splits = meta.shape[0]
+    if num_splits > 65535:
+        raise ValueError(f"{num_splits} splits exceed the grid's 65535; pass a larger split_size")
+
+    # every entry of these, and of out and lse, is written by the kernels
+    opart = torch.empty(b, hq, nq, num_splits, dv, dtype=torch.float32, device=q.device)
+    lpart = torch.empty(b, hq, nq, num_splits, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, hq, nq, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(programs, num_splits)](
+        q, k, v, key_positions, query_rows, members, class_of, slot_of, meta, opart, lpart,
+        *q.stride(), *k.stride(), *v.stride(), *key_positions.stride(), *query_rows.stride(),
+        hq, hkv, nq, nk, group, num_splits, split_n, scale * LOG2E,
+        HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_H=block_h,
+        BLOCK_N=block_n, UPCAST=upcast,
+        PRECISION=_precision(q.dtype, interpreted, upcast),
+        num_warps=num_warps, num_stages=num_stages)
+    block_s = min(_next_pow2(num_splits), max(1, 4096 // block_dv))
+    _decode_combine_kernel[(b * hq * nq,)](
+        opart, lpart, out, lse, num_splits, HEAD_DIM_V=dv, BLOCK_DV=block_dv,
+        BLOCK_S=block_s, num_warps=4)
+    return out, lse
