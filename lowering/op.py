@@ -112,12 +112,11 @@ def _from_rows(x: Tensor, rows: Tensor) -> Tensor:
     return x.gather(2, index.expand(b, h, nq, *x.shape[3:]))
 
 
-@torch.library.custom_op("hilbert_fx::dilated_attention", mutates_args=())
-def dilated_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[int],
-                         dilation_rates: list[int], hilbert: bool, is_causal: bool,
-                         attn_mask: Optional[Tensor], dropout_p: float, seed: Optional[Tensor],
-                         scale: float, lowering: str, position_ids: Optional[Tensor] = None,
-                         seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def _op_forward(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[int],
+                dilation_rates: list[int], hilbert: bool, is_causal: bool,
+                attn_mask: Optional[Tensor], dropout_p: float, seed: Optional[Tensor],
+                scale: float, lowering: str, position_ids: Optional[Tensor] = None,
+                seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Returns (out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] in float32 or wider).
 
     position_ids (int64 [B, Nk] or [1, Nk], negative: padding) and seqused_k (int64 [B]) are the
@@ -134,9 +133,8 @@ def dilated_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
-@dilated_attention_op.register_fake
-def _(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p, seed,
-      scale, lowering, position_ids=None, seqused_k=None):
+def _op_fake(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p,
+             seed, scale, lowering, position_ids=None, seqused_k=None):
     check_same_dtype(q, k, v)
     b, h, n, _ = q.shape
     out = q.new_empty(b, h, n, v.shape[-1])
@@ -144,15 +142,12 @@ def _(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, d
     return out, lse
 
 
-@torch.library.custom_op("hilbert_fx::dilated_attention_backward", mutates_args=())
-def dilated_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                                  lse: Tensor, segment_lengths: list[int],
-                                  dilation_rates: list[int], hilbert: bool, is_causal: bool,
-                                  attn_mask: Optional[Tensor], dropout_p: float,
-                                  seed: Optional[Tensor], scale: float, lowering: str,
-                                  position_ids: Optional[Tensor] = None,
-                                  seqused_k: Optional[Tensor] = None
-                                  ) -> tuple[Tensor, Tensor, Tensor]:
+def _op_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 segment_lengths: list[int], dilation_rates: list[int], hilbert: bool,
+                 is_causal: bool, attn_mask: Optional[Tensor], dropout_p: float,
+                 seed: Optional[Tensor], scale: float, lowering: str,
+                 position_ids: Optional[Tensor] = None,
+                 seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     if _empty(q, v):  # every gradient has a zero-size dimension, or no row reaches it
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     dtype = _compute_dtype(q, lowering)
@@ -196,32 +191,66 @@ def _backward_in(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbe
     return dq, dk, dv
 
 
-@dilated_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
-      dropout_p, seed, scale, lowering, position_ids=None, seqused_k=None):
+def _op_backward_fake(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert,
+                      is_causal, attn_mask, dropout_p, seed, scale, lowering, position_ids=None,
+                      seqused_k=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p, seed, \
-        scale, lowering, position_ids, seqused_k = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, seed, position_ids, seqused_k)
-    ctx.config = (segment_lengths, dilation_rates, hilbert, is_causal, dropout_p, scale, lowering)
-    ctx.mark_non_differentiable(lse)
+def _register(name: str, tags: tuple):
+    """The op `hilbert_fx::<name>` and its backward op, with a fake implementation, the autograd
+    formula and autocast as SDPA's."""
+    forward_op = torch.library.custom_op(f"hilbert_fx::{name}", mutates_args=(),
+                                         tags=tags)(_op_forward)
+    forward_op.register_fake(_op_fake)
+    backward_op = torch.library.custom_op(f"hilbert_fx::{name}_backward", mutates_args=(),
+                                          tags=tags)(_op_backward)
+    backward_op.register_fake(_op_backward_fake)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p, \
+            seed, scale, lowering, position_ids, seqused_k = inputs
+        ctx.save_for_backward(q, k, v, *output, attn_mask, seed, position_ids, seqused_k)
+        ctx.config = (segment_lengths, dilation_rates, hilbert, is_causal, dropout_p, scale,
+                      lowering)
+        ctx.mark_non_differentiable(output[1])
+
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, attn_mask, seed, position_ids, seqused_k = ctx.saved_tensors
+        segment_lengths, dilation_rates, hilbert, is_causal, dropout_p, scale, lowering = \
+            ctx.config
+        dq, dk, dv = backward_op(dout.contiguous(), q, k, v, out, lse, segment_lengths,
+                                 dilation_rates, hilbert, is_causal, attn_mask, dropout_p, seed,
+                                 scale, lowering, position_ids, seqused_k)
+        return (dq, dk, dv) + (None,) * 11
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
+    register_autocast(f"hilbert_fx::{name}")  # as SDPA under torch.autocast
+    return forward_op, backward_op
 
 
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, attn_mask, seed, position_ids, seqused_k = ctx.saved_tensors
-    segment_lengths, dilation_rates, hilbert, is_causal, dropout_p, scale, lowering = ctx.config
-    dq, dk, dv = dilated_attention_backward_op(
-        dout.contiguous(), q, k, v, out, lse, segment_lengths, dilation_rates, hilbert, is_causal,
-        attn_mask, dropout_p, seed, scale, lowering, position_ids, seqused_k)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+dilated_attention_op, dilated_attention_backward_op = _register("dilated_attention", ())
+# The same op for calls whose plans are built from position tensors (packed rows, and long chunks
+# of queries against a cache): building them reads a count on the host, which a CUDA graph
+# cannot capture, so Inductor runs graphs holding it without CUDA graphs (and says so) rather
+# than failing in the capture.
+_HOST_READ = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+dilated_attention_varlen_op, dilated_attention_varlen_backward_op = _register(
+    "dilated_attention_varlen", _HOST_READ)
 
 
-dilated_attention_op.register_autograd(_backward, setup_context=_setup_context)
-register_autocast("hilbert_fx::dilated_attention")  # as SDPA under torch.autocast
+def reads_host(nq: int, nk: int, has_position_ids: bool, has_seqused_k: bool) -> bool:
+    """Whether a call builds its plans from position tensors (dilated_attention_varlen)."""
+    if nq < nk or has_seqused_k:
+        return nq > sequences.DECODE_MAX_QUERIES
+    return has_position_ids
+
+
+def op_for(nq: int, nk: int, has_position_ids: bool, has_seqused_k: bool):
+    """The custom op a call with these sizes and structure arguments runs (what the pass emits)."""
+    if reads_host(nq, nk, has_position_ids, has_seqused_k):
+        return torch.ops.hilbert_fx.dilated_attention_varlen.default
+    return torch.ops.hilbert_fx.dilated_attention.default
 
 
 def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation_rates, *,
@@ -270,7 +299,7 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
         position_ids = position_ids.to(device=q.device, dtype=torch.int64).reshape(-1, nk)
     if seqused_k is not None:
         seqused_k = seqused_k.to(device=q.device, dtype=torch.int64)
-    out, _ = torch.ops.hilbert_fx.dilated_attention(
-        q, k, v, list(segment_lengths), list(dilation_rates), hilbert, is_causal,
-        attn_mask, float(dropout_p), seed, scale, resolved, position_ids, seqused_k)
+    op = op_for(q.shape[2], nk, position_ids is not None, seqused_k is not None)
+    out, _ = op(q, k, v, list(segment_lengths), list(dilation_rates), hilbert, is_causal,
+                attn_mask, float(dropout_p), seed, scale, resolved, position_ids, seqused_k)
     return out

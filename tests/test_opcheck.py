@@ -38,3 +38,12 @@ def cases():
 @pytest.mark.parametrize("name,args", list(cases()), ids=[c[0] for c in cases()])
 def test_opcheck(name, args):
     torch.library.opcheck(OP, args)
+
+
+def test_opcheck_varlen():
+    """The op that packed rows run on (tagged cudagraph_unsafe: its plans read a count on the
+    host) is the same op under another name."""
+    args = dict(cases())["packed"]
+    torch.library.opcheck(torch.ops.hilbert_fx.dilated_attention_varlen.default, args)
+    assert torch.Tag.cudagraph_unsafe in torch.ops.hilbert_fx.dilated_attention_varlen.default.tags
+    assert torch.Tag.cudagraph_unsafe not in torch.ops.hilbert_fx.dilated_attention.default.tags
