@@ -225,7 +225,7 @@ def _launch_tables(segment_lengths: tuple, dilation_rates: tuple, hilbert: bool,
         slot_of.append(slot)
         size = w // r
         for m0 in range(0, size, split_n):
-            meta.append([w, r, mem_off, size, tab_off, m0, 0, 0])
+            meta.append([w, r, mem_off, size, tab_off, m0] + [0] * (META_COLS - 6))
         mem_off += mem.numel()
         tab_off += w
     # int32 offsets: the tables of every branch together stay far below 2**31 entries
@@ -294,8 +294,8 @@ def decode_forward(q: Tensor, k: Tensor, v: Tensor, key_positions: Tensor, query
     _, hkv, nk, _ = k.shape
     dv = v.shape[-1]
     if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[-1] != d:
-        raise ValueError(f"k, v must be [B, Hkv, Nk, D] and [B, Hkv, Nk, Dv] for q {tuple(q.shape)}, "
-                         f"got {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(f"k, v must be [B, Hkv, Nk, D] and [B, Hkv, Nk, Dv] for q "
+                         f"{tuple(q.shape)}, got {tuple(k.shape)}, {tuple(v.shape)}")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"Hq ({hq}) must be a multiple of Hkv ({hkv})")
     if tuple(key_positions.shape) != (b, nk) or tuple(query_rows.shape) != (b, nq):
@@ -341,7 +341,8 @@ def decode_forward(q: Tensor, k: Tensor, v: Tensor, key_positions: Tensor, query
         split_n = _split_size(sum(sizes), max(sizes), programs, block_n, q.device, interpreted)
     else:
         if split_size <= 0 or split_size % block_n:
-            raise ValueError(f"split_size must be a positive multiple of {block_n}, got {split_size}")
+            raise ValueError(f"split_size must be a positive multiple of {block_n}, "
+                             f"got {split_size}")
         split_n = int(split_size)
     members, class_of, slot_of, meta = _launch_tables(
         segment_lengths, dilation_rates, bool(hilbert), split_n, str(q.device))

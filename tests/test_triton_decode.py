@@ -214,10 +214,11 @@ def test_half_types(dtype, nq):
 
 
 def test_strided_inputs_and_scale():
-    """q, k, v as transposed views of [B, N, H, D] storage, int32 indices, an explicit scale."""
+    """q, k, v as transposed views of [B, N, H, D] storage, int32 indices, an explicit scale;
+    a group of 3 query heads per kv head."""
     nk, nq = 40, 3
     kp, qr = cache_rows(nk, nq, pad_left=5, used=33)
-    q, k, v = make(2, 4, 2, nq, nk, 16, 24, seed=6)
+    q, k, v = make(2, 6, 2, nq, nk, 16, 24, seed=6)
     q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
     assert not q.is_contiguous()
     check(q, k, v, kp.int(), qr.int(), (8, 16), (1, 2), False, scale=0.3)
