@@ -59,6 +59,7 @@ from .autocast import register_autocast
 from .dropout import new_seed
 from .op import _compute_dtype
 from .ring_agree import group_name_of
+from .ring_agree import local_error as _local_error  # noqa: F401  (the name tests read)
 from .ring_plan import RingPlan, plan_bytes, ring_plan
 from .ring_transport import comm_stats, reset_comm_stats
 
@@ -128,7 +129,7 @@ def _merge_rows(out: Tensor, lse: Tensor, rows: Tensor, o: Tensor, lse_o: Tensor
     out[:, :, rows] = merged.to(out.dtype)
 
 
-def _add_rows(x: Tensor, index, delta: Tensor, wide: torch.dtype) -> None:
+def _accumulate(x: Tensor, index, delta: Tensor, wide: torch.dtype) -> None:
     x[index] = (x[index].to(wide) + delta.to(wide)).to(x.dtype)
 
 
@@ -185,13 +186,13 @@ def _backward(dout, q, k, v, out, lse, plan: RingPlan, group, lower, *, is_causa
         t = plan.cross_rows.numel()
         rows = (slice(None), slice(None), plan.cross_rows)
         for x, g in zip((dq, dk, dv), cross):
-            _add_rows(x, rows, g[:, :, :t], wide)
+            _accumulate(x, rows, g[:, :, :t], wide)
     back = ring_transport.received_gradients(plan, works, recvs, batch=b, dk=dk_dim, dv=dv_dim)
     del payloads  # sent: wait() above returned for every send of the batch
     if back is not None:
         rows = (slice(None), plan.grad_heads, plan.grad_rows)
-        _add_rows(dk, rows, back[0], wide)
-        _add_rows(dv, rows, back[1], wide)
+        _accumulate(dk, rows, back[0], wide)
+        _accumulate(dv, rows, back[1], wide)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -115,8 +115,9 @@ def _config_key(phase, q, k, v, segment_lengths, dilation_rates, hilbert, is_cau
             f"lowering={lowering} device={q.device.type}")
 
 
-def _local_error(q, k, v, segment_lengths, dilation_rates, is_causal, attn_mask, dropout_p, scale,
-                 lowering) -> Optional[str]:
+def local_error(q, k, v, segment_lengths, dilation_rates, is_causal, attn_mask, dropout_p, scale,
+                lowering) -> Optional[str]:
+    """What this rank finds wrong with its own arguments (None when nothing), before agreeing."""
     if attn_mask is not None:
         return ("attn_mask is not supported with mesh= (a mask over the whole sequence cannot be "
                 "sharded along it); pass attn_mask=None, or use is_causal for causal masking")
@@ -144,8 +145,8 @@ def _local_error(q, k, v, segment_lengths, dilation_rates, is_causal, attn_mask,
 def start(phase, group, q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
           dropout_p, seed, scale, lowering) -> Optional[Tensor]:
     """Check locally, agree across ranks; returns the seed every rank uses (rank 0's)."""
-    error = _local_error(q, k, v, segment_lengths, dilation_rates, is_causal, attn_mask, dropout_p,
-                         scale, lowering)
+    error = local_error(q, k, v, segment_lengths, dilation_rates, is_causal, attn_mask, dropout_p,
+                        scale, lowering)
     key = _config_key(phase, q, k, v, segment_lengths, dilation_rates, hilbert, is_causal,
                       attn_mask, dropout_p, seed, scale, lowering)
     local_seed = int(seed.item()) if seed is not None else 0

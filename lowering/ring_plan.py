@@ -182,9 +182,11 @@ def _message_items(crosses, branch_units, src: int, dst: int, is_causal: bool):
     return items
 
 
-def _local_sets(glob: BranchPlan, n: int, rank: int, exclude=frozenset()) -> BranchPlan | None:
+def _local_sets(glob: BranchPlan, n: int, rank: int, exclude=frozenset(),
+                offsets=None) -> BranchPlan | None:
     """Branch `glob` restricted to rank's shard [rank*n, (rank+1)*n), in local rows, less the
-    sets (segment, offset) in `exclude`.
+    sets (segment, offset) in `exclude` and, when `offsets` is given, the sets of other offsets
+    (those no query head reads).
 
     Its segments are the global segments that meet the shard, each cut to the shard: set
     (o, segment) holds the members of the global set that lie in the shard, ascending (a
@@ -199,6 +201,8 @@ def _local_sets(glob: BranchPlan, n: int, rank: int, exclude=frozenset()) -> Bra
     inside = (pos >= lo) & (pos < hi)
     for j, o in exclude:
         inside[o, j - j0] = False
+    if offsets is not None:
+        inside[[o for o in range(r) if o not in offsets]] = False
     local, _ = torch.where(inside, pos - lo, torch.full_like(pos, n)).sort(dim=-1)
     counts = inside.sum(-1)  # [r, S']
     used = counts.sum(0) > 0
@@ -335,7 +339,8 @@ def _build(seq_len: int, world: int, rank: int, segment_lengths, dilation_rates,
         if not sets:
             plan = _shard_plan(glob, n, rank, hilbert, device)
         else:
-            plan = _on(_local_sets(glob, n, rank, frozenset(sets)), device)
+            used = {h % glob.dilation_rate for h in range(num_heads)}
+            plan = _on(_local_sets(glob, n, rank, frozenset(sets), used), device)
             cross_plans.append(_on(_cross_plan(glob, sets, ext_of, ext_len), device))
         if plan is not None:
             local_plans.append(plan)

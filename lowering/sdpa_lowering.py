@@ -62,8 +62,10 @@ def _make_blocks(plan: BranchPlan, num_heads: int) -> list[Block]:
     if plan.num_segments > 1:
         full = positions[:, :-1]
         blocks.append(Block(full, full < n, False))
-    last = positions[:, -1:, : int(counts[:, -1].max())]
-    blocks.append(Block(last, last < n, True))
+    length = int(counts[:, -1].max())
+    if length:  # no head has a member there (a ring's plan can say so): no block of length 0
+        last = positions[:, -1:, :length]
+        blocks.append(Block(last, last < n, True))
     return blocks
 
 

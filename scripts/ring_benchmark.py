@@ -3,8 +3,9 @@
     torchrun --nproc-per-node P scripts/ring_benchmark.py --out results/ring
     python scripts/ring_benchmark.py --nproc P --out results/ring        # same, via spawn
 
-The ring op runs with --ring-lowering ("auto" by default: the Triton kernels for the local part
-on GPUs of compute capability 8.0 or more, lowering/ring.py; "sdpa" for the SDPA blocks only).
+The ring op runs with --ring-lowering ("auto" by default: the Triton kernels, for the rank's own
+sets and those with peers' rows alike, on GPUs of compute capability 8.0 or more, lowering/ring.py;
+"sdpa" for the SDPA lowering).
 
 1. Correctness (--check, on by default): small problems (n_check tokens per GPU), the ring op on P
    GPUs against the single-device op on one GPU over the whole sequence with the ring's lowering,
@@ -300,11 +301,11 @@ def weak_scaling(args, rank, world, t_start, on_row):
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     modes = args.modes.split(",")
     hkv = args.kv_heads or args.heads
-    # bytes per element on the wire: the ring sends in its compute dtype (float32 for half types
-    # on CPU, where the blocks run in float32)
-    elem = 4 if DEV == "cpu" and dtype in (torch.float16, torch.bfloat16) else \
-        torch.finfo(dtype).bits // 8
     lowering_ring = ring_lowering(args)
+    # bytes per element on the wire: the ring sends in its lowering's compute dtype (float32 for
+    # half types on CPU with the SDPA lowering, which computes in float32 there)
+    elem = 4 if DEV == "cpu" and dtype in (torch.float16, torch.bfloat16) \
+        and lowering_ring == "sdpa" else torch.finfo(dtype).bits // 8
     log(f"branches: segment_lengths={segs} dilation_rates={rates} hilbert={hilbert}; "
         f"ring lowering {lowering_ring}")
     res = dict(segment_lengths=segs, dilation_rates=rates, hilbert=hilbert, results=[],
