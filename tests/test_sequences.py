@@ -375,6 +375,57 @@ def test_decode_step_by_step_equals_full_causal_op():
         assert_matches(step, full[:, :, L - 1:L], f"step {L}", torch.float64)
 
 
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("nq", [14, 20])
+def test_long_chunk_across_documents(nq, static):
+    """A chunk of a prefill against a cache whose rows hold packed documents, the chunk starting
+    inside one document and ending in the next (and, with nq = 20, more queries than a decode
+    step takes: the chunk runs as rows of the sequences' sets)."""
+    Nk = 24
+    pos = torch.tensor([row_positions([3, 9, 12], Nk), row_positions([-2, 7, 15], Nk)])
+    seqused_k = torch.tensor([24, 22]) if static else None
+    if static:  # row 1 holds 2 + 7 + 13 tokens of 24 rows: the last document is still growing
+        pos[1, 22:] = -1
+    run_case(B=2, Hq=4, Hkv=2, Nq=nq, Nk=Nk, D=4, segs_rates=BR_B, hilbert=True, causal=True,
+             position_ids=pos, seqused_k=seqused_k, seed=70 + nq)
+
+
+@pytest.mark.parametrize("nq", [17, 23])
+def test_long_chunk_dynamic_cache(nq):
+    """More queries than a decode step takes, against a dynamic cache and a static one."""
+    run_case(B=2, Hq=2, Hkv=2, Nq=nq, Nk=25, D=4, segs_rates=BR_A, hilbert=True, causal=True,
+             seed=80 + nq)
+    run_case(B=2, Hq=4, Hkv=2, Nq=nq, Nk=30, D=4, segs_rates=BR_B, causal=True,
+             seqused_k=torch.tensor([25, 28]), seed=90 + nq)
+
+
+ALL_PADDING = """
+import os, sys
+os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch, hilbert_fx
+q, k, v = (torch.randn(2, 2, 5, 4, requires_grad=True) for _ in range(3))
+out = hilbert_fx.dilated_attention(q, k, v, [4, 8], [1, 2], position_ids=torch.full((2, 5), -1),
+                                   lowering=sys.argv[1])
+assert torch.equal(out, torch.zeros_like(out)), out
+out.sum().backward()
+assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in (q, k, v))
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("lowering", ["sdpa", "triton"])
+def test_all_padding_batch(lowering):
+    """A batch of padding only (no sequence at all): rows 0, gradients 0. Run in a child
+    process: the SDPA lowering has died of SIGFPE here (a zero-size flash call)."""
+    import subprocess
+    if lowering == "triton":
+        require_triton()
+    res = subprocess.run([sys.executable, "-c", ALL_PADDING, lowering], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, \
+        f"rc={res.returncode}\nstdout: {res.stdout[-2000:]}\nstderr: {res.stderr[-2000:]}"
+
+
 # ----------------------------------------------------------------------------- Triton
 
 TRITON_CASES = {  # few and small: the kernels run under the interpreter on CPU
@@ -475,3 +526,10 @@ def test_error_seqused_k_shape_dtype(bad):
     value = {"float": good.float(), "batch": torch.tensor([6, 4, 5]), "2d": good[None],
              "0d": torch.tensor(6)}[bad]
     _raises("seqused_k", q, k, v, is_causal=True, seqused_k=value)
+
+
+def test_error_cu_seqlens_sequence_across_rows_names_cu_seqlens():
+    """A cu_seqlens sequence that crosses a batch row: the error names the argument the user
+    passed (cu_seqlens), not the position_ids the front derives from it."""
+    q, k, v = _qkv(B=2, Nq=6, Nk=6)
+    _raises("cu_seqlens", q, k, v, cu_seqlens=torch.tensor([0, 4, 8, 12], dtype=torch.int32))
