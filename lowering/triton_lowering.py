@@ -50,12 +50,13 @@ the choice of which branch writes the final result in place depends on completen
 On Hopper (compute capability 9.x, Triton 3.6) a branch runs instead on FlashAttention-3's
 warp-specialised schedules written in Gluon (lowering/gluon_forward.py says when: no mask, no
 dropout, whole sets of a complete plan, head dims 64 and 128, 16-bit types): the forward
-(lowering/gluon_kernels.py) merges into the same (acc, lse); the backward (lowering/gluon_backward_kernels.py) adds dq into
-a zeroed float32 buffer by atomics (not under deterministic algorithms; the Triton dq kernel of
-a branch beside it then adds to that buffer too) and dK/dV exactly as the Triton dK/dV kernel
-does. On an H200 at N = 64K (medians of 3 to 5 rounds): forward 3.75 ms in the
-identity order and 3.82 ms in the Hilbert order, forward+backward 17.3 to 18.0 ms in either,
-against the floor's 3.50 to 3.53 and 13.97 to 14.36 (BENCHMARKS.md).
+(lowering/gluon_kernels.py) merges into the same (acc, lse); the backward
+(lowering/gluon_backward_kernels.py) adds dq into a zeroed float32 buffer by atomics (not under
+deterministic algorithms; the Triton dq kernel of a branch beside it then adds to that buffer
+too) and dK/dV exactly as the Triton dK/dV kernel does. On an H200 at N = 64K (medians of 3
+to 5 rounds): forward 3.75 ms in the identity order and 3.82 ms in the Hilbert order,
+forward+backward 17.3 to 18.0 ms in either, against the floor's 3.50 to 3.53 and 13.97 to 14.36
+(BENCHMARKS.md).
 
 CPU tensors run the same kernels under the Triton interpreter (SPEC section 3). Triton decides
 between interpreter and compiler when `triton` is first imported, so the process must start with

@@ -60,9 +60,11 @@ def _tiles(environ: Mapping[str, str], name: str) -> TileConfig | None:
     try:
         bm, bn, warps, stages = (int(x) for x in value.split(","))
     except ValueError:
-        raise ValueError(f"{name} must be 'BLOCK_M,BLOCK_N,num_warps,num_stages', got {value!r}") from None
+        raise ValueError(
+            f"{name} must be 'BLOCK_M,BLOCK_N,num_warps,num_stages', got {value!r}") from None
     if not all(x in (16, 32, 64, 128, 256) for x in (bm, bn)):
-        raise ValueError(f"{name}: BLOCK_M and BLOCK_N must be powers of two from 16 to 256, got {value!r}")
+        raise ValueError(
+            f"{name}: BLOCK_M and BLOCK_N must be powers of two from 16 to 256, got {value!r}")
     return TileConfig(bm, bn, warps, stages)
 
 
