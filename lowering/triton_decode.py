@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 from torch import Tensor
 
-from .plans import hilbert_order
+from . import plans
 from .triton_lowering import LOG2E, MAX_HEAD_DIM, NEG_INF, SUPPORTED_DTYPES, interpreter_active
+from .tuning import fp32_precision
 
-import triton  # noqa: E402  (after triton_lowering, which sets TRITON_INTERPRET where needed)
+import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 META_COLS = 8  # w, r, members offset, set size, table offset, first member of the split, -, -
@@ -184,14 +184,10 @@ def _decode_combine_kernel(OPart, LPart, Out, Lse, NUM_SPLITS,
 
 @functools.lru_cache(maxsize=256)
 def _host_tables(w: int, r: int, hilbert: bool) -> tuple[Tensor, Tensor, Tensor]:
-    ranks = hilbert_order(w) if hilbert else torch.arange(w)
-    # ranks[t] is the in-segment position of rank t; rank t belongs to class t % r
-    members = ranks.view(w // r, r).t().sort(dim=-1).values.contiguous()  # [r, w // r]
-    class_of = torch.empty(w, dtype=torch.long)
-    slot_of = torch.empty(w, dtype=torch.long)
-    class_of[members.reshape(-1)] = torch.arange(r).repeat_interleave(w // r)
-    slot_of[members.reshape(-1)] = torch.arange(w // r).repeat(r)
-    return (members.to(torch.int32), class_of.to(torch.int32), slot_of.to(torch.int32))
+    """plans.class_members and plans.class_of (the sets' definition, in one place) as int32."""
+    members = plans.class_members(w, r, hilbert)
+    cls, slot = plans.class_of(w, r, hilbert)
+    return members.to(torch.int32), cls.to(torch.int32), slot.to(torch.int32)
 
 
 @functools.lru_cache(maxsize=256)
@@ -239,19 +235,6 @@ def _launch_tables(segment_lengths: tuple, dilation_rates: tuple, hilbert: bool,
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
-
-
-def _precision(dtype: torch.dtype, interpreted: bool, upcast: bool) -> str:
-    """tl.dot's input_precision, by lowering/triton_lowering.py's rule: exact float32 ("tf32x3")
-    unless torch allows TF32 for matmuls; the interpreter computes in IEEE anyway."""
-    if upcast or interpreted:
-        return "ieee"
-    if dtype != torch.float32:
-        return "tf32"
-    forced = os.environ.get("HILBERT_FX_TRITON_FP32_PRECISION")
-    if forced in ("ieee", "tf32", "tf32x3"):
-        return forced
-    return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def _split_size(total_keys: int, largest_set: int, programs: int, block_n: int,
@@ -361,7 +344,7 @@ def decode_forward(q: Tensor, k: Tensor, v: Tensor, key_positions: Tensor, query
         hq, hkv, nq, nk, group, num_splits, split_n, scale * LOG2E,
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_H=block_h,
         BLOCK_N=block_n, UPCAST=upcast,
-        PRECISION=_precision(q.dtype, interpreted, upcast),
+        PRECISION=fp32_precision(q.dtype, interpreted, upcast),
         num_warps=num_warps, num_stages=num_stages)
     block_s = min(_next_pow2(num_splits), max(1, 4096 // block_dv))
     _decode_combine_kernel[(b * hq * nq,)](
