@@ -298,6 +298,9 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
     if position_ids is not None:
         position_ids = position_ids.to(device=q.device, dtype=torch.int64).reshape(-1, nk)
     if seqused_k is not None:
+        if seqused_k.device.type == "cpu" and bool(((seqused_k < 0) | (seqused_k > nk)).any()):
+            # (on a GPU this check would wait for it: there a query outside k's rows gets 0)
+            raise ValueError(f"seqused_k must lie in [0, Nk] = [0, {nk}], got {seqused_k.tolist()}")
         seqused_k = seqused_k.to(device=q.device, dtype=torch.int64)
     op = op_for(q.shape[2], nk, position_ids is not None, seqused_k is not None)
     out, _ = op(q, k, v, list(segment_lengths), list(dilation_rates), hilbert, is_causal,

@@ -26,10 +26,25 @@ NEG_INF = float("-inf")
 
 @dataclass
 class Block:
-    """One batch of selected sets: positions [H, S, L] (padded with N) and its validity."""
+    """One batch of selected sets: positions [H, S, L] (padded with N) and its validity.
+
+    With query_rows (see `forward`), a block whose sets hold members that are no queries also
+    has its query members: their indices in the set, ascending ([H, S, Lq]), their positions
+    (padded with N) and validity; the block then computes those rows against every member."""
     positions: torch.Tensor
     valid: torch.Tensor
     padded: bool
+    q_index: torch.Tensor | None = None
+    q_positions: torch.Tensor | None = None
+    q_valid: torch.Tensor | None = None
+
+    @property
+    def queries(self) -> torch.Tensor:
+        return self.positions if self.q_positions is None else self.q_positions
+
+    @property
+    def queries_valid(self) -> torch.Tensor:
+        return self.valid if self.q_valid is None else self.q_valid
 
 
 # Blocks per (plan, heads), as long as the plan lives: deciding them reads counts on the host,
@@ -39,16 +54,38 @@ class Block:
 _blocks: dict = {}
 
 
-def blocks_of(plan: BranchPlan, num_heads: int) -> list[Block]:
-    key = (id(plan), num_heads)
+def blocks_of(plan: BranchPlan, num_heads: int, query_rows: int | None = None) -> list[Block]:
+    key = (id(plan), num_heads, query_rows)
     hit = _blocks.get(key)
     if hit is None or hit[0]() is not plan:
-        hit = _blocks[key] = (weakref.ref(plan), _make_blocks(plan, num_heads))
+        blocks = _make_blocks(plan, num_heads)
+        if query_rows is not None:
+            blocks = [x for x in (_with_queries(b, query_rows, plan.seq_len) for b in blocks)
+                      if x is not None]
+        hit = _blocks[key] = (weakref.ref(plan), blocks)
         weakref.finalize(plan, _blocks.pop, key, None)
     return hit[1]
 
 
+def _with_queries(block: Block, query_rows: int, n: int) -> Block | None:
+    """The block with its query members (rows < query_rows) apart; None when it has none."""
+    is_query = block.valid & (block.positions < query_rows)
+    if bool((is_query == block.valid).all()):
+        return block
+    counts = is_query.sum(-1)
+    lq = int(counts.max())
+    if lq == 0:
+        return None
+    # members that are queries first, each group in set order
+    index = torch.sort((~is_query).to(torch.int8), dim=-1, stable=True).indices[..., :lq]
+    valid = torch.arange(lq, device=index.device) < counts.unsqueeze(-1)
+    positions = torch.where(valid, block.positions.gather(-1, index), n)  # padding: N
+    return Block(block.positions, block.valid, block.padded, index, positions, valid)
+
+
 def _make_blocks(plan: BranchPlan, num_heads: int) -> list[Block]:
+    if plan.num_segments == 0:  # rows of padding only: no set, nothing to run
+        return []
     positions = plan.for_heads(num_heads)
     counts = plan.counts.index_select(
         0, torch.arange(num_heads, device=positions.device) % plan.dilation_rate)
@@ -78,12 +115,12 @@ def _gather(x: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor) -> to
 
 
 def _gather_mask(attn_mask: torch.Tensor, batch: int, num_heads: int, n: int,
-                 positions: torch.Tensor) -> torch.Tensor:
-    """The user's mask (broadcastable to [B, H, N, N]) on each selected set: [B, H, S, L, L]."""
+                 queries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The user's mask (broadcastable to [B, H, N, N]) on each selected set's queries and
+    members: [B, H, S, Lq, L]."""
     m = attn_mask.expand(batch, num_heads, n, n)
-    idx = positions.clamp(max=n - 1)
     h = torch.arange(num_heads, device=positions.device).view(num_heads, 1, 1, 1)
-    return m[:, h, idx.unsqueeze(-1), idx.unsqueeze(-2)]
+    return m[:, h, queries.clamp(max=n - 1).unsqueeze(-1), positions.clamp(max=n - 1).unsqueeze(-2)]
 
 
 @dataclass
@@ -94,7 +131,8 @@ class BlockInputs:
     v: torch.Tensor
     bias: torch.Tensor | None
     keep: torch.Tensor | None
-    has_key: torch.Tensor | None  # [B or 1, H*S, L] rows with at least one allowed key
+    has_key: torch.Tensor | None  # [B or 1, H*S, Lq] rows with at least one allowed key
+    causal: bool  # for the kernels: a lower triangle over the set (else any causality is in bias)
 
 
 def _block_inputs(q, k, v, block: Block, *, attn_mask, is_causal, dropout_p, seed,
@@ -102,23 +140,30 @@ def _block_inputs(q, k, v, block: Block, *, attn_mask, is_causal, dropout_p, see
     b, hq, n, _ = q.shape
     hkv = k.shape[1]
     h, s, length = block.positions.shape
+    queries = block.queries
+    lq = queries.shape[-1]
+    apart = block.q_index is not None  # query members apart: causality goes in the bias
     heads = torch.arange(hq, device=q.device)
     kv_heads = heads // (hq // hkv)
-    qg = _gather(q, heads, block.positions)
+    qg = _gather(q, heads, queries)
     kg = _gather(k, kv_heads, block.positions)
     vg = _gather(v, kv_heads, block.positions)
 
-    allowed = None  # bool, broadcastable to [B, H, S, L, L]
+    allowed = None  # bool, broadcastable to [B, H, S, Lq, L]
     bias = None
     if attn_mask is not None:
-        m = _gather_mask(attn_mask, b, hq, n, block.positions)
+        m = _gather_mask(attn_mask, b, hq, n, queries, block.positions)
         if m.dtype == torch.bool:
             allowed = m
         else:
             bias = m
-    if block.padded and not is_causal:
+    if block.padded and (apart or not is_causal):
         key_ok = block.valid.view(1, h, s, 1, length)
         allowed = key_ok if allowed is None else allowed & key_ok
+    if apart and is_causal:  # member m sees members 0 .. m of its set
+        seen = torch.arange(length, device=q.device) <= block.q_index.unsqueeze(-1)
+        seen = seen.view(1, h, s, lq, length)
+        allowed = seen if allowed is None else allowed & seen
     if allowed is not None:
         fill = torch.zeros((), dtype=q.dtype, device=q.device)
         pad = torch.full((), NEG_INF, dtype=q.dtype, device=q.device)
@@ -126,23 +171,24 @@ def _block_inputs(q, k, v, block: Block, *, attn_mask, is_causal, dropout_p, see
         bias = extra if bias is None else bias.to(q.dtype) + extra
     has_key = None
     if bias is not None:
-        bias = bias.expand(bias.shape[0], h, s, length, length).reshape(-1, h * s, length, length)
+        bias = bias.expand(bias.shape[0], h, s, lq, length).reshape(-1, h * s, lq, length)
         allowed_keys = bias != NEG_INF
-        if is_causal:  # a row whose allowed keys all lie in its future has none either
+        if is_causal and not apart:  # a row whose allowed keys all lie in its future has none
             allowed_keys = allowed_keys & torch.ones(
                 length, length, dtype=torch.bool, device=q.device).tril()
         has_key = allowed_keys.any(-1)
 
     keep = None
     if dropout_p > 0.0:
-        pos = block.positions
+        pos_q, pos_k = queries, block.positions
         if dropout_rows is not None:  # padding (row N) reads the last row's: its entries are 0
-            pos = dropout_rows[pos.clamp(max=dropout_rows.numel() - 1)]
+            last = dropout_rows.numel() - 1
+            pos_q, pos_k = dropout_rows[pos_q.clamp(max=last)], dropout_rows[pos_k.clamp(max=last)]
         keep = keep_mask(seed, torch.arange(b, device=q.device).view(b, 1, 1, 1, 1),
-                         heads.view(1, h, 1, 1, 1), pos.view(1, h, s, length, 1),
-                         pos.view(1, h, s, 1, length), dropout_p)
-        keep = keep.reshape(b, h * s, length, length)
-    return BlockInputs(qg, kg, vg, bias, keep, has_key)
+                         heads.view(1, h, 1, 1, 1), pos_q.view(1, h, s, lq, 1),
+                         pos_k.view(1, h, s, 1, length), dropout_p)
+        keep = keep.reshape(b, h * s, lq, length)
+    return BlockInputs(qg, kg, vg, bias, keep, has_key, is_causal and not apart)
 
 
 def _scatter(buffer: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor,
@@ -162,12 +208,16 @@ def merge_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, scale: float,
-            dropout_p: float = 0.0, seed=None, dropout_rows=None):
+            dropout_p: float = 0.0, seed=None, dropout_rows=None, query_rows=None):
     """Returns (out [B, Hq, N, Dv] in q.dtype, lse [B, Hq, N] in float32, float64 for float64).
 
     dropout_rows ([N] int64, optional): the position each row stands for in dropout's keep bits
     (lowering/dropout.py hashes positions); by default its row index. The ring passes the global
     positions of a shard's rows, or of the rows it gathered from peers.
+    query_rows (int, optional): rows from this one on are keys and values only: they are no
+    queries (out 0, lse -inf; in the backward no dq, and their dout is not read), and the work
+    of their queries is not done. Causal attention stays the order within each set. The ring
+    passes it for the rows it received from peers.
 
     The branches are merged as one softmax is computed: each branch's normalised output o_i
     weighs exp(lse_i - top) against top, the largest lse_i so far, and the sum is divided by
@@ -187,17 +237,17 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
     for plan in plans:
         out_b = torch.zeros_like(acc)
         lse_b = torch.full_like(top, NEG_INF)
-        for block in blocks_of(plan, hq):
+        for block in blocks_of(plan, hq, query_rows):
             x = _block_inputs(q, k, v, block, attn_mask=attn_mask, is_causal=is_causal,
                               dropout_p=dropout_p, seed=seed, dropout_rows=dropout_rows)
-            o, lse = block_attention.forward(x.q, x.k, x.v, bias=x.bias, is_causal=is_causal,
+            o, lse = block_attention.forward(x.q, x.k, x.v, bias=x.bias, is_causal=x.causal,
                                              scale=scale, keep=x.keep, dropout_p=dropout_p)
             lse = lse.to(wide)
             if x.has_key is not None:
                 lse = lse.masked_fill(~x.has_key, NEG_INF)
                 o = o.masked_fill(~x.has_key.unsqueeze(-1), 0.0)
-            _scatter(out_b, heads, block.positions, o.to(wide))
-            _scatter(lse_b, heads, block.positions, lse)
+            _scatter(out_b, heads, block.queries, o.to(wide))
+            _scatter(lse_b, heads, block.queries, lse)
         new_top = torch.maximum(top, lse_b)
         base = new_top.masked_fill(new_top == NEG_INF, 0.0)  # rows with no key yet: weights 0
         w_old, w_new = torch.exp(top - base), torch.exp(lse_b - base)
@@ -212,8 +262,10 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
 
 
 def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: bool, attn_mask,
-             scale: float, dropout_p: float = 0.0, seed=None, dropout_rows=None):
-    """Returns (dq, dk, dv) given the op's output and its float32 lse (dropout_rows: forward's)."""
+             scale: float, dropout_p: float = 0.0, seed=None, dropout_rows=None,
+             query_rows=None):
+    """Returns (dq, dk, dv) given the op's output and its float32 lse (dropout_rows, query_rows:
+    as in `forward`)."""
     b, hq, n, _ = q.shape
     if b * hq * n == 0 or not plans:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -227,22 +279,23 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
     dk = torch.zeros(b, hkv, n + 1, k.shape[-1], dtype=wide, device=q.device)
     dv = torch.zeros(b, hkv, n + 1, v.shape[-1], dtype=wide, device=q.device)
     for plan in plans:
-        for block in blocks_of(plan, hq):
+        for block in blocks_of(plan, hq, query_rows):
             x = _block_inputs(q, k, v, block, attn_mask=attn_mask, is_causal=is_causal,
                               dropout_p=dropout_p, seed=seed, dropout_rows=dropout_rows)
-            h, s, length = block.positions.shape
-            pos = block.positions
-            dog = _gather(dout, heads, pos)
-            og = _gather(out, heads, pos)
-            lg = lse_pad[:, heads.view(h, 1, 1), pos].reshape(b, h * s, length)
-            if block.padded:  # padded query rows read real rows through the clamp: silence them
-                valid = block.valid.reshape(1, h * s, length)
+            pos, queries = block.positions, block.queries
+            h, s, lq = queries.shape
+            dog = _gather(dout, heads, queries)
+            og = _gather(out, heads, queries)
+            lg = lse_pad[:, heads.view(h, 1, 1), queries].reshape(b, h * s, lq)
+            if block.padded or block.q_valid is not None:
+                # padded query rows read real rows through the clamp: silence them
+                valid = block.queries_valid.reshape(1, h * s, lq)
                 lg = lg.masked_fill(~valid, float("inf"))
                 dog = dog.masked_fill(~valid.unsqueeze(-1), 0.0)
             gq, gk, gv = block_attention.backward(
-                dog, x.q, x.k, x.v, og, lg, bias=x.bias, is_causal=is_causal, scale=scale,
+                dog, x.q, x.k, x.v, og, lg, bias=x.bias, is_causal=x.causal, scale=scale,
                 keep=x.keep, dropout_p=dropout_p)
-            _scatter(dq, heads, pos, gq.to(wide), accumulate=True)
+            _scatter(dq, heads, queries, gq.to(wide), accumulate=True)
             _scatter(dk, kv_heads, pos, gk.to(wide), accumulate=True)
             _scatter(dv, kv_heads, pos, gv.to(wide), accumulate=True)
     return (dq[:, :, :n].to(q.dtype), dk[:, :, :n].to(k.dtype), dv[:, :, :n].to(v.dtype))

@@ -66,8 +66,9 @@ def sequence_plans(positions: Tensor, segment_lengths, dilation_rates, hilbert: 
     bad, complete, *num_segments = counts.tolist()
     if bad:
         raise ValueError(
-            "position_ids must count 0, 1, 2, ... along each sequence (a sequence starts at "
-            "position 0 and does not cross a batch row; negative entries are padding)")
+            "position_ids (or cu_seqlens, read as positions) must count 0, 1, 2, ... along each "
+            "sequence: a sequence starts at position 0 and does not cross a batch row; negative "
+            "positions are padding")
     plans = []
     for w, r, start, s in zip(segment_lengths, dilation_rates, starts, num_segments):
         table = tables(w, r, hilbert, device)[1]
@@ -148,8 +149,9 @@ def cache_of(nq: int, nk: int, batch: int, position_ids: Optional[Tensor],
 def cached_query_positions(cache: Cache) -> Tensor:
     """[B, Nq] positions of the queries (negative where the query stands on padding)."""
     rows = cache.query_rows
-    inside = rows >= 0
-    pos = cache.key_positions.gather(1, rows.clamp(min=0))
+    nk = cache.key_positions.shape[1]
+    inside = (rows >= 0) & (rows < nk)  # seqused_k past k's rows or below Nq: no such key row
+    pos = cache.key_positions.gather(1, rows.clamp(0, nk - 1))
     return torch.where(inside, pos, -1)
 
 
