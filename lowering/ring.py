@@ -24,8 +24,9 @@ Forward: the key/value rows are posted first; then the *local* call runs on the 
 then, once they arrived, the *cross* call runs on an extended row (the local rows of the other
 sets, followed by the rows received: `RingPlan.cross_plans`), each such set whole, in global
 order. Its results on the local rows are merged into the local call's by log-sum-exp in float32
-(float64 for float64 inputs), on those rows only; its received rows' results are dropped
-(ring_plan.py says what that costs).
+(float64 for float64 inputs), on those rows only. The received rows are no queries: a lowering
+that takes `query_rows` (the SDPA lowering) skips them, another computes them too and their
+results are dropped (ring_plan.py says what that costs).
 
 Backward (FlashAttention-2 style, with the final out and lse, so that each call's gradients are
 its exact share and add up): the rows travel again while the local call's backward runs; the
@@ -57,7 +58,7 @@ from . import block_attention, ring_agree, ring_transport, sdpa_lowering
 from .arguments import check_branches, check_flags, check_lowering, problem, resolve_lowering
 from .autocast import register_autocast
 from .dropout import new_seed
-from .op import _compute_dtype
+from .op import _compute_dtype, _op_backward_fake, _op_fake
 from .ring_agree import group_name_of
 from .ring_agree import local_error as _local_error  # noqa: F401  (the name tests read)
 from .ring_plan import RingPlan, plan_bytes, ring_plan
@@ -72,8 +73,9 @@ __all__ = ["ring_dilated_attention", "dilated_attention_on_mesh", "ring_dilated_
 # ---------------------------------------------------------------------------------------------
 # Which lowering the two calls run on.
 
-def _takes_dropout_rows(module) -> bool:
-    return all("dropout_rows" in inspect.signature(f).parameters
+def _takes(module, keyword: str) -> bool:
+    """Whether a lowering's forward and backward take an optional keyword of the interface."""
+    return all(keyword in inspect.signature(f).parameters
                for f in (module.forward, module.backward))
 
 
@@ -84,7 +86,7 @@ def _lowering(q: Tensor, lowering: str, dropout_p: float):
         from . import triton_lowering
         if (q.dtype in triton_lowering.SUPPORTED_DTYPES
                 and q.shape[-1] <= triton_lowering.MAX_HEAD_DIM
-                and (dropout_p == 0.0 or _takes_dropout_rows(triton_lowering))):
+                and (dropout_p == 0.0 or _takes(triton_lowering, "dropout_rows"))):
             return triton_lowering, "triton"
     return sdpa_lowering, "sdpa"
 
@@ -93,6 +95,16 @@ def _rows(dropout_p: float, positions: Tensor) -> dict:
     """The keyword that makes a call's dropout hash global positions (only a call with dropout
     passes it: a lowering without dropout need not take it)."""
     return {"dropout_rows": positions} if dropout_p > 0.0 else {}
+
+
+def _cross(lower, plan: RingPlan, dropout_p: float) -> dict:
+    """The cross call's optional keywords: global positions for dropout, and query_rows (the
+    received rows are no queries) where the lowering takes it; one that does not computes those
+    rows' queries too, and their results are dropped."""
+    kw = _rows(dropout_p, plan.ext_positions)
+    if _takes(lower, "query_rows"):
+        kw["query_rows"] = plan.cross_rows.numel()
+    return kw
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,8 +159,7 @@ def _forward(q, k, v, plan: RingPlan, group, lower, *, is_causal, scale, dropout
     if plan.cross_plans:
         t = plan.cross_rows.numel()
         ox, lx = lower.forward(_queries(plan, q), _keys(plan, k, kbuf), _keys(plan, v, vbuf),
-                               list(plan.cross_plans), **common,
-                               **_rows(dropout_p, plan.ext_positions))
+                               list(plan.cross_plans), **common, **_cross(lower, plan, dropout_p))
         _merge_rows(out, lse, plan.cross_rows, ox[:, :, :t], lx[:, :, :t])
     return out, lse
 
@@ -171,7 +182,7 @@ def _backward(dout, q, k, v, out, lse, plan: RingPlan, group, lower, *, is_causa
         cross = lower.backward(
             _queries(plan, dout), _queries(plan, q), _keys(plan, k, kbuf), _keys(plan, v, vbuf),
             _queries(plan, out), _queries(plan, lse, NEG_INF), list(plan.cross_plans), **common,
-            **_rows(dropout_p, plan.ext_positions))
+            **_cross(lower, plan, dropout_p))
         if plan.recv_total:  # a row that arrived twice carries its total once
             first_arrival = plan.recv_first.view(1, -1, 1)
             gk, gv = (torch.where(first_arrival, g[:, plan.recv_heads, plan.recv_ext].to(wide), 0.0)
@@ -212,8 +223,8 @@ def _prepare(phase, q, k, v, segment_lengths, dilation_rates, hilbert, is_causal
 
 
 # ---------------------------------------------------------------------------------------------
-# The custom ops: the single-device op's shapes (its fake implementations are called), and an
-# autograd formula that passes every argument after q, k, v on to the backward op.
+# The custom ops: the single-device op's fake implementations (lowering/op.py), and an autograd
+# formula that passes every argument after q, k, v on to the backward op.
 
 @torch.library.custom_op("hilbert_fx::ring_dilated_attention", mutates_args=())
 def ring_dilated_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[int],
@@ -231,11 +242,8 @@ def ring_dilated_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: 
 
 
 @ring_dilated_attention_op.register_fake
-def _(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p, seed,
-      scale, lowering, group_name):
-    return torch.ops.hilbert_fx.dilated_attention(q, k, v, segment_lengths, dilation_rates,
-                                                  hilbert, is_causal, attn_mask, dropout_p, seed,
-                                                  scale, lowering)
+def _(*args):
+    return _op_fake(*args[:-1])  # the single-device op's, group_name aside
 
 
 @torch.library.custom_op("hilbert_fx::ring_dilated_attention_backward", mutates_args=())
@@ -255,11 +263,8 @@ def ring_dilated_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Te
 
 
 @ring_dilated_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
-      dropout_p, seed, scale, lowering, group_name):
-    return torch.ops.hilbert_fx.dilated_attention_backward(
-        dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
-        dropout_p, seed, scale, lowering)
+def _(*args):
+    return _op_backward_fake(*args[:-1])
 
 
 def _setup_context(ctx, inputs, output):

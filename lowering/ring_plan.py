@@ -33,15 +33,15 @@ the rows the second call covers:
   received rows' queries are zeros: their outputs are dropped, see below). `ext_positions` gives
   each extended row's global position, which dropout hashes (lowering/dropout.py).
 
-Received rows are queries too in the second call, because a lowering's set makes every member
-both a query and a key. Their results are not this rank's and are dropped; the backward gives
-them dout 0, which makes their share of every gradient 0. That work is wasted: per cross set,
-(members received) x (members) query-key pairs beyond the (local members) x (members) needed,
-i.e. the set's work times (ranks sharing it - 1) when shares are equal. It is small where the
-cross segments are those of high dilation (a branch's work per head is N w / r^2), as in the
-benchmark's branch that spans every GPU. Avoiding it needs sets whose query members are a
-sub-run of the set (the local slice is one contiguous run in the set's order), which the
-lowerings do not take yet.
+A lowering's set makes every member both a query and a key, so in the second call the received
+rows are queries too unless the lowering takes `query_rows` (rows from there on are keys and
+values only), as the SDPA lowering does. Otherwise their results, which are not this rank's, are
+computed and dropped (the backward gives them dout 0, which makes their share of every gradient
+0): per cross set, (members received) x (members) query-key pairs beyond the (local members) x
+(members) needed, i.e. the set's work times (ranks sharing it - 1) when shares are equal. That
+is small where the cross segments are those of high dilation (a branch's work per head is
+N w / r^2), as in the benchmark's branch that spans every GPU. The local members are one
+contiguous run of each set's order, so kernels can skip the others by that run alone.
 
 Gradients of received rows go back to their owners (`Step` in reverse), one row per row
 received: a (kv head, global position) that arrived more than once (two branches select it)

@@ -464,3 +464,41 @@ def test_aligned_shard_plans_are_the_single_device_plans():
     last = shard_branch_plans(10, 4, 3, (15, 6, 4), (1, 1, 1), True)
     assert last[0] is branch_plan(10, 15, 1, True) and last[1] is branch_plan(10, 6, 1, True)
     assert last[2] is not branch_plan(10, 4, 1, True)
+
+
+# --------------------------------------------------------------------------------------------
+# The SDPA lowering's query_rows and dropout_rows, on the plans of a ring's cross call.
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_sdpa_query_rows_compute_only_the_queries(causal, dropout_p):
+    """With query_rows, the SDPA lowering computes the rows before it as without (out, lse, dq;
+    dk and dv as when the other rows' dout is 0) and gives the other rows out 0, lse -inf, dq 0;
+    dropout_rows makes the keep bits those of the positions given."""
+    from hilbert_fx.lowering import sdpa_lowering
+    n, world, hq, hkv = 10, 4, 4, 2
+    for rank in (1, 3):
+        plan = ring_plan(n, world, rank, (6, 24, 40), (1, 2, 4), True, causal, hq, hkv)
+        t, rows = plan.cross_rows.numel(), plan.ext_len
+        g = torch.Generator().manual_seed(rank)
+        q, dout = (torch.randn(2, hq, rows, 8, generator=g, dtype=torch.float64) for _ in "ab")
+        k, v = (torch.randn(2, hkv, rows, 8, generator=g, dtype=torch.float64) for _ in "ab")
+        dout[:, :, t:] = 0
+        kw = dict(is_causal=causal, attn_mask=None, scale=0.4, dropout_p=dropout_p,
+                  seed=torch.tensor(7), dropout_rows=plan.ext_positions)
+        plans = list(plan.cross_plans)
+        out, lse = sdpa_lowering.forward(q, k, v, plans, **kw)
+        out_q, lse_q = sdpa_lowering.forward(q, k, v, plans, query_rows=t, **kw)
+        torch.testing.assert_close(out_q[:, :, :t], out[:, :, :t])
+        torch.testing.assert_close(lse_q[:, :, :t], lse[:, :, :t])
+        assert bool((out_q[:, :, t:] == 0).all()) and bool((lse_q[:, :, t:] == -math.inf).all())
+        grads = sdpa_lowering.backward(dout, q, k, v, out, lse, plans, **kw)
+        grads_q = sdpa_lowering.backward(dout, q, k, v, out_q, lse_q, plans, query_rows=t, **kw)
+        torch.testing.assert_close(grads_q[0][:, :, :t], grads[0][:, :, :t])
+        assert bool((grads_q[0][:, :, t:] == 0).all())
+        for a, b in zip(grads_q[1:], grads[1:]):
+            torch.testing.assert_close(a, b)
+    if dropout_p:  # the keep bits follow dropout_rows: other positions give another output
+        kw["dropout_rows"] = plan.ext_positions + 1
+        other = sdpa_lowering.forward(q, k, v, plans, **kw)
+        assert not torch.allclose(other[0][:, :, :t], out[:, :, :t])
