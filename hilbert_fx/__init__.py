@@ -31,9 +31,10 @@ from .lowering import dilated_attention, hilbert_order  # noqa: E402
 from .backend import HilbertBackend, backend, hilbert_dilated  # noqa: E402
 from .config import DilatedConfig  # noqa: E402
 from .explain import Report, SiteReport, explain  # noqa: E402
+from .generation import compile_for_generate  # noqa: E402
 from .pattern import key_counts, plot_pattern  # noqa: E402
 from .scope import dilate, undilate  # noqa: E402
 
-__all__ = ["backend", "dilate", "dilated_attention", "explain", "hilbert_dilated",
-           "hilbert_order", "key_counts", "plot_pattern", "undilate", "DilatedConfig",
-           "HilbertBackend", "Report", "SiteReport"]
+__all__ = ["backend", "compile_for_generate", "dilate", "dilated_attention", "explain",
+           "hilbert_dilated", "hilbert_order", "key_counts", "plot_pattern", "undilate",
+           "DilatedConfig", "HilbertBackend", "Report", "SiteReport"]

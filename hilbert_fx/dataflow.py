@@ -68,6 +68,9 @@ class DataFlow:
         self.sources = activation_sources(graph)
         self._constants: dict = {}
         self._triangles = None
+        # sympy symbols of run-time offsets (triangles.py) -> (the tensor node, how many in-place
+        # writes to it come before the read)
+        self.atoms: dict = {}
 
     # -- closed regions ----------------------------------------------------------------------
     def ancestors(self, node: fx.Node) -> set:

@@ -40,6 +40,7 @@ from .detect import FORBIDDEN, MaskTerm, build_mask, mask_shape, resolve_masks
 from .fx_vocab import (arg, example, is_inplace, is_tensor, op_name, same_size, shape_of, target_name,
                        unrepeat_pair)
 from .sites import Match, Shapes
+from .structure import read_site
 
 class _Fail(Exception):
     """Why a softmax's scores or probabilities cannot be read. `graph_input`: the reading stopped
@@ -685,7 +686,20 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Match]:
                 ks, vs = k.shape(), vop.shape()
 
     n = qs[2] if len(qs) == 4 else None
-    is_causal, kept = resolve_masks(flow, scores.terms, n) if n is not None else (False, scores.terms)
+    # the sequence structure one mask and the keys prove (SPEC section 5: structure.py)
+    sequences, note = None, ""
+    terms = scores.terms
+    if n is not None and heads is None and q.plain and k.plain and vop.plain \
+            and not scores.runtime and len(terms) <= 1 \
+            and all(t.factor == 1.0 and t.kind in ("add", "allow") for t in terms):
+        sequences, note = read_site(flow, q.node, k.node, vop.node,
+                                    terms[0].node if terms else None, False, found.output)
+        if note and not same_size(qs[2], ks[2]):
+            return replace(found, reason=note)
+    if sequences is not None:
+        is_causal, kept = sequences.is_causal, []
+    else:
+        is_causal, kept = resolve_masks(flow, terms, n) if n is not None else (False, terms)
     # Masks met where the scores are [B*H, i, j] are unfolded by the head count. Where they are
     # [B, H, i, j] a 3-D mask broadcasts as [1 or H, i, j], which the same unfold reads right.
     mask_heads = heads if heads is not None else view_h
@@ -716,7 +730,8 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Match]:
             return out
     return replace(found, k=k.node, v=vop.node, attn_mask=attn_mask, is_causal=is_causal,
                    enable_gqa=len(qs) == 4 and len(ks) == 4 and qs[1] != ks[1], shapes=shapes,
-                   adapt_inputs=adapt_inputs, adapt_output=adapt_output)
+                   adapt_inputs=adapt_inputs, adapt_output=adapt_output, sequences=sequences,
+                   note=note if kept else "")
 
 
 def find_manual_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list[Match]:

@@ -18,6 +18,22 @@ class SiteReport:
     reason: str  # why skipped; "" when rewritten
     lowering: str  # "triton" | "sdpa" | ""
     config: str  # the configuration used, "" when skipped
+    # the sequence structure the op was called with (SPEC section 5), or why a mask is passed
+    # as it is (the pattern laid over the row, section 2); "" for a site without a mask
+    structure: str = ""
+
+
+def structure_of(site) -> str:
+    """The report's words for what a rewritten site's op was given in place of (or as) a mask."""
+    if site.action != "rewritten":
+        return ""
+    if site.sequences is not None:
+        return site.sequences.what
+    has_mask = site.attn_mask is not None or (site.shapes is not None and site.shapes.mask is not None)
+    if not has_mask:
+        return ""
+    why = f": {site.note}" if site.note else ""
+    return f"attn_mask passed, the pattern laid over the row (SPEC section 2){why}"
 
 
 @dataclass
@@ -29,7 +45,8 @@ class Report:
     def __str__(self) -> str:
         header = ("kind", "module", "action", "lowering", "reason / configuration")
         rows = [header] + [(s.kind, s.module or "-", s.action, s.lowering or "-",
-                            s.reason or s.config) for s in self.sites]
+                            s.reason or "; ".join(x for x in (s.config, s.structure) if x))
+                           for s in self.sites]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = []
         for i, r in enumerate(rows):
@@ -67,6 +84,7 @@ def explain(model, *args, backend=None, **kwargs) -> Report:
     for record in recorder.records:
         for s in record.sites:
             config = s.config.describe() if s.config is not None else ""
-            sites.append(SiteReport(s.kind, s.module, s.action, s.reason, s.lowering, config))
+            sites.append(SiteReport(s.kind, s.module, s.action, s.reason, s.lowering, config,
+                                    structure_of(s)))
     return Report(sites, [r.graph_before for r in recorder.records],
                   [r.graph_after for r in recorder.records])

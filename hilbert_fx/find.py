@@ -4,7 +4,7 @@ shapes of what they found and proves, from data flow, which sites are self-atten
 - "mha":    nn.MultiheadAttention's F.multi_head_attention_forward, and the fused eval fast paths
             of nn.TransformerEncoderLayer / nn.MultiheadAttention              (detect_mha.py)
 - "manual": softmax(q @ k^T) @ v however it is spelled                     (detect_manual.py)
-- "flex":   FlexAttention, reported and left as it is                        (detect_sdpa.py)
+- "flex":   FlexAttention, rewritten where its mask_mod is read           (detect_sdpa.py)
 
 The finders share the FX vocabulary (fx_vocab.py) and the masks (detect.py); a new finder is one
 function (graph, flow) -> list of Matches (sites.py), added to FINDERS.
@@ -24,6 +24,7 @@ from .detect_sdpa import find_flex_sites, find_sdpa_sites
 from .fx_vocab import example
 from .lowering.arguments import TensorSpec, problem
 from .sites import Match, module_stack
+from .structure import structure_specs
 
 FINDERS = (find_sdpa_sites, find_mha_sites, find_manual_sites, find_flex_sites)
 
@@ -45,8 +46,9 @@ def _check_shapes(site: Match) -> str:
             return "attn_mask is not a tensor the pass can see"
     # enable_gqa=True: the pass sets the site's flag once the heads divide; same_dtype=False:
     # the rewritten op is cast as SDPA is under autocast, whose state the pass does not see
+    structure = structure_specs(site.sequences, site.q, site.k, site.shapes)
     return problem(q, k, v, mask, is_causal=site.is_causal, dropout_p=site.dropout_p,
-                   enable_gqa=True, same_dtype=False)
+                   enable_gqa=True, same_dtype=False, **structure)
 
 
 def _complete(match: Match, flow: DataFlow) -> Match:
@@ -58,7 +60,10 @@ def _complete(match: Match, flow: DataFlow) -> Match:
         return match
     reason = _check_shapes(match)
     if not reason:
-        _, reason = flow.common_source([match.q, match.k, match.v])
+        # queries against a cache: the rows this step computed are the queries' sequence (the
+        # cached rows are that sequence's, by the cache)
+        new_kv = match.sequences.new_kv if match.sequences is not None else None
+        _, reason = flow.common_source([match.q, *(new_kv or (match.k, match.v))])
     if reason:
         return replace(match, reason=reason)
     if match.enable_gqa is False and match.shapes is None:

@@ -21,6 +21,7 @@ from .fx_vocab import example, is_inplace
 from .logs import log, log_site
 from .scope import compiled_roots, config_of
 from .sites import Decision, Match, Site
+from .structure import cache_lengths, insert_recipe, rows_back, rows_in_order
 
 OP = torch.ops.hilbert_fx.dilated_attention.default
 
@@ -54,11 +55,23 @@ def mesh_reason(match: Match, config: DilatedConfig) -> str:
         return ""
     if match.attn_mask is not None or (match.shapes is not None and match.shapes.mask is not None):
         return "attn_mask with mesh=: the ring op over a device mesh takes no mask"
+    if match.sequences is not None:
+        return (f"{match.sequences.what} with mesh=: the ring op over a device mesh takes no "
+                f"sequence structure (position_ids, seqused_k)")
     return ""
 
 
-def rewrite_site(graph: fx.Graph, match: Match, config: DilatedConfig) -> Decision:
-    """Replace the match's output by the op (or the ring op of config's mesh)."""
+def rewrite_site(graph: fx.Graph, match: Match, config: DilatedConfig,
+                 memo: Optional[dict] = None) -> Decision:
+    """Replace the match's output by the op (or the ring op of config's mesh). `memo`: the
+    structure tensors already computed in this graph (structure.insert_recipe)."""
+    memo = {} if memo is None else memo
+    seq = match.sequences
+    structure = [None, None, None]  # position_ids, the first query's cache row, order
+    if seq is not None:
+        structure = [None if r is None else insert_recipe(graph, r, memo)
+                     for r in (seq.position_ids, seq.first_row, seq.order)]
+    position_ids, first_row, order = structure
     q = example(match.q)
     lowering = resolve_lowering(config.lowering, q.device)
     scale = match.scale if match.scale is not None else 1.0 / math.sqrt(max(q.shape[-1], 1))
@@ -71,10 +84,18 @@ def rewrite_site(graph: fx.Graph, match: Match, config: DilatedConfig) -> Decisi
         if match.dropout_p > 0.0:
             seed = graph.call_function(new_seed, (q.device,))
         q_node, k_node, v_node, mask_node = inputs
+        seqused_k = None
+        if first_row is not None:
+            seqused_k = graph.call_function(cache_lengths, (first_row, q_node))
+        if order is not None:  # each row's documents made consecutive, undone on the output
+            q_node, k_node, v_node = (graph.call_function(rows_in_order, (x, order))
+                                      for x in (q_node, k_node, v_node))
         args = (q_node, k_node, v_node, list(config.segment_lengths), list(config.dilation_rates),
                 config.hilbert, bool(match.is_causal), mask_node, float(match.dropout_p), seed,
                 float(scale), lowering)
         if config.mesh is None:
+            if seq is not None:
+                args = args + (position_ids, seqused_k)
             call = graph.call_function(OP, args)
         else:  # the ring op: its collectives run over the mesh's process group
             from .lowering import ring  # noqa: F401  (registers the op)
@@ -82,6 +103,8 @@ def rewrite_site(graph: fx.Graph, match: Match, config: DilatedConfig) -> Decisi
             call = graph.call_function(torch.ops.hilbert_fx.ring_dilated_attention.default,
                                        args + (group_name,))
         out = graph.call_function(operator.getitem, (call, 0))
+        if order is not None:
+            out = graph.call_function(rows_back, (out, order))
         if match.adapt_output is not None:
             out = match.adapt_output(graph, out)
     match.output.replace_all_uses_with(out)
@@ -121,6 +144,7 @@ def rewrite(gm: fx.GraphModule, matches: list[Match], default: DilatedConfig, *,
     roots = compiled_roots() if roots is None else roots
     scoped = graph_is_scoped(gm.graph, roots) if scoped is None else scoped
     freed = []
+    memo: dict = {}
     decisions: dict[int, Decision] = {}
     # Last site first: a site's inputs may be an earlier site's output, which that site's rewrite
     # then replaces everywhere, in the nodes inserted for the later site included.
@@ -135,7 +159,7 @@ def rewrite(gm: fx.GraphModule, matches: list[Match], default: DilatedConfig, *,
                 reason = mesh_reason(match, config)
             if not reason:
                 freed.extend(match.output.all_input_nodes)
-                decisions[i] = rewrite_site(gm.graph, match, config)
+                decisions[i] = rewrite_site(gm.graph, match, config, memo)
                 continue
         decisions[i] = Decision("skipped", reason)
     sites = [Site(match, decisions[i]) for i, match in enumerate(matches)]

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 if TYPE_CHECKING:
     from .config import DilatedConfig
+    from .structure import Sequences
 
 KINDS = ("sdpa", "mha", "manual", "flex")
 
@@ -53,7 +54,9 @@ class Match:
     `region`: the nodes that only this attention uses, output included (proved closed by the
     finder). `reason`: why it cannot be rewritten
     ("" when it can); `module`, `module_types`: where it is (innermost module's name, module
-    classes outermost first).
+    classes outermost first). `sequences`: the sequence structure (SPEC section 5) the op is
+    called with instead of a mask (structure.py), or None; `note`: why a mask that may carry such
+    a structure is passed as it is (its pattern laid over the row, section 2).
     """
     kind: str
     output: fx.Node
@@ -72,6 +75,8 @@ class Match:
     reason: str = ""
     module: Optional[str] = None
     module_types: tuple = ()
+    sequences: Optional["Sequences"] = None
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,8 @@ class Site:
     enable_gqa = property(lambda self: self.match.enable_gqa)
     shapes = property(lambda self: self.match.shapes)
     region = property(lambda self: self.match.region)
+    sequences = property(lambda self: self.match.sequences)
+    note = property(lambda self: self.match.note)
     action = property(lambda self: self.decision.action)
     reason = property(lambda self: self.decision.reason)
     lowering = property(lambda self: self.decision.lowering)

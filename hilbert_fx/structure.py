@@ -1,0 +1,436 @@
+"""The sequence structure of an attention site (SPEC section 5), proved from the model.
+
+A row may hold several sequences (packed documents), padding, or the last tokens of a sequence
+whose earlier keys and values come from a cache. Models say so with masks: transformers builds
+"causal and same document" from position_ids, "causal and not padding" from a 2-D attention
+mask, "causal from the cache position" for queries against a KV cache. The op takes that
+structure directly (position_ids, seqused_k; lowering/op.py), so the pass reads what a mask means
+(triangles.py's symbolic reading, over every size and every value of the tensors it reads) and,
+where it is one of these structures, calls the op with the structure instead of the mask:
+
+- causal and same run of consecutive position ids (transformers' packed sequences,
+  DataCollatorWithFlattening's restart at 0): is_causal, position_ids = each token's place in
+  its run (`run_positions`);
+- causal and the key not padding (a 2-D padding mask): is_causal, position_ids = cumsum(mask) - 1,
+  -1 on padding (`padding_positions`);
+- same document id (FlexAttention's document masks), causal or not: each row's tokens put in
+  document order (`document_order`), position_ids = each token's place in its document;
+- queries shorter than keys, where the keys are a cache: torch.cat of the cached rows and the
+  rows this step computed (DynamicCache), or a buffer written in place at the queries' rows
+  (StaticCache: index_copy_ / index_put_ at cache_position), with a mask that proves each query
+  sees exactly the keys at or before its row: is_causal, and for a buffer seqused_k =
+  cache_position[-1] + 1 (`cache_lengths`); a padding mask beside it gives position_ids.
+
+The tensors are computed on the device by graph ops the rewrite inserts (Recipes), once per
+graph. Anything else is not proved: the mask is passed and the pattern is laid over the row
+(section 2), and the report says why.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from .detect import FORBIDDEN
+from .fx_vocab import arg, example, is_inplace, same_size, target_name
+from .triangles import Conj, Full, Rel, Sel, Tri, canonical, norm, same_offset
+
+
+# ---------------------------------------------------------------------------------------------
+# Run time: the structure's tensors, computed on the device from what the model holds
+# ---------------------------------------------------------------------------------------------
+def run_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B or 1, N] int64: each token's place in its run of consecutive position ids (a new run
+    starts wherever the id is not the one before plus 1: transformers' packed documents)."""
+    p = position_ids.reshape(-1, position_ids.shape[-1]).to(torch.int64)
+    index = torch.arange(p.shape[-1], device=p.device)
+    before = torch.cat([p[:, :1] - 1, p[:, :-1]], dim=-1)
+    start = torch.where(p - before != 1, index, 0).cummax(dim=-1).values
+    return index - start
+
+
+def padding_positions(mask: torch.Tensor) -> torch.Tensor:
+    """[B, N] int64 from a 2-D padding mask (nonzero on real tokens): cumsum(mask) - 1 on real
+    tokens, -1 on padding. The real tokens of a row must be consecutive (left or right padding):
+    the op refuses positions that do not count 0, 1, 2, ... along a sequence."""
+    real = mask.reshape(-1, mask.shape[-1]) != 0
+    return torch.where(real, real.to(torch.int64).cumsum(-1) - 1, -1)
+
+
+def tensor_offset(counter: torch.Tensor, const: int) -> torch.Tensor:
+    """The cache row of the first query, counter + const (a one-element integer tensor: a
+    StaticCache's length before this step), as a 0-dim int64 tensor."""
+    return counter.reshape(-1)[0].to(torch.int64) + const
+
+
+def first_row(rows: torch.Tensor) -> torch.Tensor:
+    """The cache row of the first query, from the rows of every query (cache_position)."""
+    return rows.reshape(-1)[0].to(torch.int64)
+
+
+def cache_lengths(first: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """seqused_k [B]: the queries stand at cache rows first, first + 1, ..., so each batch row
+    uses keys [0, first + Nq) (cache_position[-1] + 1)."""
+    return (first + q.shape[2]).expand(q.shape[0]).contiguous()
+
+
+def document_order(ids: torch.Tensor) -> torch.Tensor:
+    """[B or 1, N] int64: a stable sort of each row by document id, so that every document's
+    tokens are consecutive and in their order (a causal mask within a document is unchanged)."""
+    ids = ids.reshape(-1, ids.shape[-1])
+    return torch.sort(ids, dim=-1, stable=True).indices
+
+
+def document_positions(ids: torch.Tensor) -> torch.Tensor:
+    """[B or 1, N] int64: each token's place in its document, read in document order."""
+    ids = ids.reshape(-1, ids.shape[-1])
+    ordered = torch.sort(ids, dim=-1, stable=True).values
+    index = torch.arange(ids.shape[-1], device=ids.device)
+    before = torch.cat([ordered[:, :1], ordered[:, :-1]], dim=-1)
+    new = (ordered != before) | (index == 0)
+    start = torch.where(new, index, 0).cummax(dim=-1).values
+    return index - start
+
+
+def rows_in_order(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """x [B, H, N, D] with each batch row's tokens taken in `order` [B or 1, N]."""
+    index = order.view(order.shape[0], 1, order.shape[1], 1).expand(x.shape[0], x.shape[1], -1, x.shape[3])
+    return x.gather(2, index)
+
+
+def rows_back(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The inverse of rows_in_order: x's rows put back where `order` took them from."""
+    return rows_in_order(x, torch.argsort(order, dim=-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile time: what a site's mask and keys prove
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Recipe:
+    """A tensor the rewritten graph computes once: fn(*args), inserted right after the last of
+    its operands (so that every site of the graph can use it)."""
+    fn: Callable
+    args: tuple
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """The structure a site is rewritten with. `what`: the sentence the report shows.
+    `first_row`: for queries against a buffer longer than what it holds (a static cache), the
+    0-dim tensor of the first query's row there (seqused_k = first_row + Nq, computed at the
+    site). `order`: rows put in document order before the op and back after it. `new_kv`: for
+    queries against a cache, the key and value rows this step computed, from which the
+    self-attention proof reads (the cached rows are the same sequence's, by the cache)."""
+    what: str
+    is_causal: bool
+    position_ids: Optional[Recipe] = None
+    first_row: Optional[Recipe] = None
+    order: Optional[Recipe] = None
+    new_kv: Optional[tuple] = None
+
+
+@dataclass(frozen=True)
+class _Cache:
+    kind: str  # "dynamic" | "static"
+    new_k: fx.Node
+    new_v: fx.Node
+    rows: Optional[fx.Node] = None  # static: the cache rows the new keys were written to
+
+
+def _concatenated(node, nq) -> Optional[fx.Node]:
+    """The new rows of a DynamicCache's torch.cat((past, new), dim=-2), or None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is torch.cat):
+        return None
+    pieces, dim = arg(node, 0, "tensors"), arg(node, 1, "dim", 0)
+    if not isinstance(pieces, (list, tuple)) or len(pieces) != 2 or dim not in (2, -2):
+        return None
+    new = pieces[1]
+    ex = example(new)
+    if not isinstance(ex, torch.Tensor) or ex.dim() != 4 or not same_size(ex.shape[2], nq):
+        return None
+    return new
+
+
+def _written(flow, buf, site: fx.Node, nq) -> Optional[tuple]:
+    """(rows, new) when `buf` is a StaticCache buffer whose one in-place write before `site`
+    put `new` [B, H, nq, D] at `rows` [nq] along dim 2: buf.index_copy_(2, rows, new),
+    buf[:, :, rows] = new, or buf.index_put_((None, None, rows), new)."""
+    if not isinstance(buf, fx.Node):
+        return None
+    order = flow.order
+    writes = [u for u in buf.users if is_inplace(u) and u.args and u.args[0] is buf
+              and order.get(u, len(order)) < order[site]]
+    if len(writes) != 1:
+        return None
+    w = writes[0]
+    name = target_name(w)
+    rows = new = None
+    if name == "index_copy_":
+        if arg(w, 1, "dim") in (2, -2):
+            rows, new = arg(w, 2, "index"), arg(w, 3, "source")
+    elif w.target is operator.setitem:
+        index, new = w.args[1], w.args[2]
+        index = list(index) if isinstance(index, tuple) else [index]
+        if len(index) >= 3 and index[0] == slice(None) and index[1] == slice(None) \
+                and all(i == slice(None) or i is Ellipsis for i in index[3:]):
+            rows = index[2]
+    elif name == "index_put_":
+        index, new = arg(w, 1, "indices"), arg(w, 2, "values")
+        if isinstance(index, (list, tuple)) and len(index) == 3 and index[0] is None and index[1] is None:
+            rows = index[2]
+    rex, nex = example(rows), example(new)
+    if not isinstance(rows, fx.Node) or not isinstance(rex, torch.Tensor) or rex.dim() != 1 \
+            or rex.is_floating_point() or rex.dtype == torch.bool or not same_size(rex.shape[0], nq):
+        return None
+    if not isinstance(nex, torch.Tensor) or nex.dim() != 4 or not same_size(nex.shape[2], nq):
+        return None
+    return rows, new
+
+
+def _read_back(flow, node, site: fx.Node, nq) -> Optional[fx.Node]:
+    """The new rows, when `node` is buf[:, :, :nq] of a buffer whose one write before `site` put
+    nq rows computed by this step (transformers' prefill into an empty StaticCache reads its
+    rows back so)."""
+    if not (isinstance(node, fx.Node) and target_name(node) == "getitem"):
+        return None
+    index = node.args[1]
+    index = list(index) if isinstance(index, tuple) else [index]
+    if len(index) < 3 or index[0] != slice(None) or index[1] != slice(None) \
+            or not all(i == slice(None) for i in index[3:]):
+        return None
+    rows = index[2]
+    if not isinstance(rows, slice) or rows.start not in (None, 0) or rows.step not in (None, 1) \
+            or not same_size(rows.stop if not isinstance(rows.stop, fx.Node) else example(rows.stop), nq):
+        return None
+    written = _written(flow, node.args[0], site, nq)
+    return None if written is None else written[1]
+
+
+def cache_of(flow, k, v, site: fx.Node, nq, nk) -> Optional[_Cache]:
+    """How k and v hold a cache: the queries continue it (q shorter than k), or read their own
+    rows back from it ("prefill")."""
+    if same_size(nq, nk):
+        new_k, new_v = _read_back(flow, k, site, nq), _read_back(flow, v, site, nq)
+        return None if new_k is None or new_v is None else _Cache("prefill", new_k, new_v)
+    new_k, new_v = _concatenated(k, nq), _concatenated(v, nq)
+    if new_k is not None and new_v is not None:
+        return _Cache("dynamic", new_k, new_v)
+    wk, wv = _written(flow, k, site, nq), _written(flow, v, site, nq)
+    if wk is not None and wv is not None:
+        (rows_k, new_k), (rows_v, new_v) = wk, wv
+        same = canonical(rows_k) is canonical(rows_v) or (
+            flow.triangle(rows_k) is not None and flow.triangle(rows_k) == flow.triangle(rows_v))
+        if same:
+            return _Cache("static", new_k, new_v, rows_k)
+    return None
+
+
+def mask_atoms(flow, mask: Optional[fx.Node]) -> Optional[set]:
+    """The atoms of an attention mask (all of them must hold for a key to be attended): a
+    boolean mask (True = allowed) or an additive one (0 allowed, -inf or a large negative
+    forbidden), read by triangles.py. None where the mask is not such a reading."""
+    if mask is None:
+        return set()
+    ex = example(mask)
+    if not isinstance(ex, torch.Tensor):
+        return None
+    value = flow.triangle(mask)
+    if ex.dtype == torch.bool:
+        cond = value
+    elif ex.is_floating_point():
+        if isinstance(value, Full) and value.value == 0:
+            return set()
+        if not (isinstance(value, Sel) and value.a == 0 and value.b <= FORBIDDEN):
+            return None
+        cond = value.tri
+    else:
+        return None
+    if isinstance(cond, Full):
+        return set() if cond.value is True else None
+    if isinstance(cond, Tri):
+        return {cond}
+    if isinstance(cond, Conj):
+        return set(cond.atoms)
+    return None
+
+
+def _rels(atoms, kind) -> list:
+    return [a for a in atoms if isinstance(a, Rel) and a.kind == kind]
+
+
+def _batch_ok(atoms, mask) -> bool:
+    """Rels that read a batch index read it along the scores' batch dim (-4 of [B, H, i, j];
+    a mask_mod's b, where `mask` is None)."""
+    ex = example(mask) if mask is not None else None
+    for a in atoms:
+        if isinstance(a, Rel) and a.bdim is not None and (
+                a.bdim != -4 or (mask is not None and (ex is None or ex.dim() != 4))):
+            return False
+    return True
+
+
+def read_site(flow, q, k, v, attn_mask, is_causal: bool, site: fx.Node, atoms=None) -> tuple:
+    """(Sequences or None, reason): the structure the site is rewritten with. (None, "") where
+    there is no structure to read (no cache, no per-token mask: section 2 as it stands);
+    (None, reason) where there is one the pass cannot prove. `atoms`: the mask's atoms where
+    they were read elsewhere (a FlexAttention mask_mod), instead of from attn_mask."""
+    qex, kex = example(q), example(k)
+    if not (isinstance(qex, torch.Tensor) and isinstance(kex, torch.Tensor) and qex.dim() == 4
+            and kex.dim() == 4):
+        return None, ""
+    nq, nk = qex.shape[2], kex.shape[2]
+    cache = cache_of(flow, k, v, site, nq, nk)
+    if attn_mask is not None and is_causal:
+        return None, ""
+    from_mask = atoms is None
+    atoms = mask_atoms(flow, attn_mask) if from_mask else set(atoms)
+    shorter = not same_size(nq, nk)
+    if atoms is None:
+        what = ("the mask is not one the pass reads as a sequence structure (causal, packed "
+                "documents, padding, a cache)")
+        if isinstance(attn_mask, fx.Node) and attn_mask.op == "placeholder":
+            what = ("the mask is an input of the compiled graph, built outside it (as generate() "
+                    "builds a static cache's mask), so the pass cannot read what it allows")
+        if shorter and cache is not None:
+            return None, f"q and k have different lengths (q has {nq} positions, k has {nk}): {what}"
+        return None, what
+    if not _batch_ok(atoms, attn_mask if from_mask else None):
+        return None, "the mask reads its per-token tensors at an index that is not the batch's"
+    rels = [a for a in atoms if isinstance(a, Rel)]
+    lengths = f"q and k have different lengths (q has {nq} positions, k has {nk})"
+    if shorter and cache is None:
+        # the rule book's words (lowering.arguments.problem) say what is wrong
+        return None, ""
+    if cache is None and not rels:
+        return None, ""
+    if shorter and attn_mask is None and is_causal:
+        return None, (f"{lengths} with is_causal: SDPA aligns its causal mask top-left, so the "
+                      f"queries are not the last rows of the cached sequence")
+    rest = set(atoms)
+    causal = False
+    seqused = None
+    if cache is not None and cache.kind == "prefill":
+        # the keys are the rows this step wrote, read back: plain causal self-attention
+        is_causal = is_causal or Tri(True, 0) in rest
+        rest.discard(Tri(True, 0))
+        if rest or not is_causal:
+            return None, ("the keys are read back from a cache this step wrote, under a mask the "
+                          "pass does not read")
+        return Sequences("causal; the keys are this step's rows, read back from a static cache",
+                         True, new_kv=(cache.new_k, cache.new_v)), ""
+    if cache is None:
+        if Tri(True, 0) in rest or is_causal:
+            rest.discard(Tri(True, 0))
+            causal = True
+        for le in _rels(rest, "pos_le"):  # positions causal within a run: rows causal
+            if Rel("same_run", le.node, le.bdim) in rest:
+                rest.discard(le)
+                causal = True
+    elif cache.kind == "dynamic":
+        tris = [a for a in rest if isinstance(a, Tri)]
+        for t in tris:
+            if t.lower and same_offset(t.k, norm(_expr(nk) - _expr(nq))):
+                rest.discard(t)
+                causal = True
+        # one query against every key: the last row of a causal mask
+        if not causal and same_size(nq, 1) and not tris and not _rels(rest, "key_le"):
+            causal = True
+    else:
+        # The mask places the queries in the buffer: key j <= i + c (query i at row c + i), or
+        # j <= rows[i] (cache_position). The op reads keys [0, c + Nq) with query i at row c + i:
+        # the mask's own reading, whichever layer's counter c is.
+        for t in [a for a in rest if isinstance(a, Tri)]:
+            recipe = _offset_recipe(flow, t.k) if t.lower else None
+            if recipe is not None and seqused is None:
+                rest.discard(t)
+                causal, seqused = True, recipe
+        for le in _rels(rest, "key_le"):
+            if seqused is None:
+                rest.discard(le)
+                causal, seqused = True, Recipe(first_row, (le.node,))
+    if cache is not None and not causal:
+        return None, (f"{lengths}: k and v are a cache, but the mask does not prove that each "
+                      f"query sees exactly the keys at or before its own row")
+    new_kv = (cache.new_k, cache.new_v) if cache is not None else None
+    where = ("" if cache is None else " against a dynamic cache (torch.cat)" if cache.kind == "dynamic"
+             else " against a static cache (seqused_k = the first query's cache row + Nq)")
+    if not rest:
+        if cache is None:
+            return None, ""
+        return Sequences(f"causal{where}", True, None, seqused, None, new_kv), ""
+    if len(rest) == 1:
+        (atom,) = rest
+        if isinstance(atom, Rel) and atom.kind == "key" and causal:
+            ex = example(atom.node)
+            if isinstance(ex, torch.Tensor) and ex.dim() == 2 and same_size(ex.shape[-1], nk):
+                return Sequences(f"causal with padding (position_ids = cumsum of the 2-D mask - 1)"
+                                 f"{where}", True, Recipe(padding_positions, (atom.node,)),
+                                 seqused, None, new_kv), ""
+        if isinstance(atom, Rel) and atom.kind == "same_run" and cache is None:
+            return Sequences(("causal, " if causal else "") + "packed sequences (position_ids "
+                             "from runs of consecutive position ids)", causal,
+                             Recipe(run_positions, (atom.node,))), ""
+        if isinstance(atom, Rel) and atom.kind == "same_id" and cache is None:
+            return Sequences(("causal, " if causal else "") + "documents by id (rows sorted by "
+                             "document, position_ids within each)", causal,
+                             Recipe(document_positions, (atom.node,)), None,
+                             Recipe(document_order, (atom.node,))), ""
+    names = sorted(a.kind if isinstance(a, Rel) else "a triangle" for a in rest)
+    return None, (f"the mask combines {', '.join(names)}{' with causal' if causal else ''}: not "
+                  f"one sequence structure the op takes")
+
+
+def _offset_recipe(flow, k) -> Optional[Recipe]:
+    """A recipe for the offset k (an int, or one run-time counter plus an int) read as the mask
+    read it: a counter read before any in-place write to it (the recipe reads it then)."""
+    if isinstance(k, int):
+        return None  # a buffer with a fixed number of rows before the queries: not a cache
+    const, terms = k.as_coeff_add()
+    if len(terms) != 1 or terms[0] not in flow.atoms or not const.is_Integer:
+        return None
+    node, version = flow.atoms[terms[0]]
+    return Recipe(tensor_offset, (node, int(const))) if version == 0 else None
+
+
+def _expr(x):
+    import sympy
+    return x if isinstance(x, int) else sympy.sympify(x.node.expr)
+
+
+def structure_specs(sequences: Optional[Sequences], q, k, shapes=None) -> dict:
+    """TensorSpecs of the op's structure arguments (for the rule book), from q's and k's shapes
+    (the canonical `shapes` a finder recorded, where it did)."""
+    from .lowering.arguments import TensorSpec
+    if sequences is None:
+        return {}
+    if shapes is not None:
+        b, nk = shapes.q[0], shapes.k[2]
+    else:
+        b, nk = example(q).shape[0], example(k).shape[2]
+    specs = {}
+    if sequences.position_ids is not None:
+        specs["position_ids"] = TensorSpec((b, nk), torch.int64)
+    if sequences.first_row is not None:
+        specs["seqused_k"] = TensorSpec((b,), torch.int64)
+    return specs
+
+
+def insert_recipe(graph: fx.Graph, recipe: Recipe, memo: dict) -> fx.Node:
+    """The node computing `recipe`, made once per graph, right after its last operand (after
+    the graph's inputs where the operands are inputs), so that every site can read it."""
+    key = (recipe.fn, tuple(id(a) if isinstance(a, fx.Node) else a for a in recipe.args))
+    if key in memo:
+        return memo[key]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    nodes = [a for a in recipe.args if isinstance(a, fx.Node)]
+    last = max(nodes, key=order.__getitem__)
+    if last.op == "placeholder":
+        last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        node = graph.call_function(recipe.fn, recipe.args)
+    memo[key] = node
+    return node
