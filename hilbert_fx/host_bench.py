@@ -71,27 +71,29 @@ def op_rows(args, device) -> list[str]:
     return lines
 
 
-def _causal_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def causal_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """The dense baseline: SDPA with is_causal=True (FlashAttention on a GPU), no N x N mask."""
     out = F.scaled_dot_product_attention(query, key, value, is_causal=True, dropout_p=dropout,
                                          scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 
-def _llama(args, n: int, dense: bool, device):
+def llama(*, vocab: int, width: int, layers: int, heads: int, seq_len: int, dense: bool,
+          device, dtype: torch.dtype):
+    """A transformers Llama with random weights (no download); dense: attention through
+    `causal_sdpa` (the baseline), else transformers' own SDPA path, which the backend rewrites."""
     import transformers
     impl = "sdpa"
     if dense:
-        transformers.AttentionInterface.register("causal_sdpa", _causal_sdpa)
+        transformers.AttentionInterface.register("causal_sdpa", causal_sdpa)
         transformers.AttentionMaskInterface.register("causal_sdpa", lambda *a, **k: None)
         impl = "causal_sdpa"
     config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.width, intermediate_size=args.width * 11 // 4,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.heads, max_position_embeddings=n, attn_implementation=impl,
-        use_cache=False)
+        vocab_size=vocab, hidden_size=width, intermediate_size=width * 11 // 4,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=seq_len, attn_implementation=impl, use_cache=False)
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to(device, getattr(torch, args.dtype))
+    return transformers.LlamaForCausalLM(config).to(device, dtype)
 
 
 def model_rows(args, device) -> list[str]:
@@ -100,7 +102,9 @@ def model_rows(args, device) -> list[str]:
     for n in args.model_seq_lens:
         times = {}
         for name in ("dense", "dilated"):
-            model = _llama(args, n, name == "dense", device)
+            model = llama(vocab=args.vocab, width=args.width, layers=args.layers,
+                          heads=args.heads, seq_len=n, dense=name == "dense", device=device,
+                          dtype=getattr(torch, args.dtype))
             be = "inductor" if name == "dense" else dilated_backend(
                 segment_lengths=args.segment_lengths, dilation_rates=args.dilation_rates,
                 hilbert=True)

@@ -24,30 +24,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 import hilbert_fx  # noqa: E402
-
-
-def causal_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Dense baseline: SDPA with is_causal=True (FlashAttention), no N x N mask."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, is_causal=True, dropout_p=dropout, scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1])
-    return out.transpose(1, 2).contiguous(), None
+from hilbert_fx.host_bench import llama  # noqa: E402
 
 
 def build_model(args, backend: str):
-    import transformers
-    impl = "sdpa"
-    if backend == "inductor":
-        transformers.AttentionInterface.register("causal_sdpa", causal_sdpa)
-        transformers.AttentionMaskInterface.register("causal_sdpa", lambda *a, **k: None)
-        impl = "causal_sdpa"
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.width, intermediate_size=args.width * 11 // 4,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.heads, max_position_embeddings=args.seq_len,
-        attn_implementation=impl, use_cache=False)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    return llama(vocab=args.vocab, width=args.width, layers=args.layers, heads=args.heads,
+                 seq_len=args.seq_len, dense=backend == "inductor", device="cuda",
+                 dtype=torch.bfloat16)
 
 
 def compiled(model, backend: str, mode: str):

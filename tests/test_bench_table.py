@@ -18,3 +18,18 @@ def test_table_has_times_ratios_to_the_floor_and_kernels():
     assert len(lines) == i + 5  # no ratio row where the floor did not run; N; kernels
     assert lines[-2] == "largest N that fitted: floor fwd: 1024, triton fwd: 2048"
     assert lines[-1] == "kernel per branch: (64, 1) forward: Hopper kernel (Gluon)"
+
+
+def test_host_bench_runs_on_cpu(capsys):
+    """python -m hilbert_fx.host_bench works without a GPU (the SDPA lowering against SDPA): one
+    row per N with the CPU and elapsed times of the op and of SDPA, forward and fwd+bwd."""
+    from hilbert_fx import host_bench
+    host_bench.main(["--device", "cpu", "--seq-lens", "40", "--model-seq-lens", "--calls", "1",
+                     "--segment-lengths", "16", "32", "--dilation-rates", "1", "2"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 40 |")]
+    assert len(rows) == 1
+    cells = [c.strip() for c in rows[0].strip("|").split("|")][1:]
+    assert len(cells) == 4
+    for cell in cells:
+        cpu, elapsed = (float(x) for x in cell.split("/"))
+        assert cpu > 0 and elapsed >= cpu * 0.5
