@@ -73,10 +73,16 @@ __all__ = ["ring_dilated_attention", "dilated_attention_on_mesh", "ring_dilated_
 # ---------------------------------------------------------------------------------------------
 # Which lowering the two calls run on.
 
+_TAKES: dict = {}
+
+
 def _takes(module, keyword: str) -> bool:
-    """Whether a lowering's forward and backward take an optional keyword of the interface."""
-    return all(keyword in inspect.signature(f).parameters
-               for f in (module.forward, module.backward))
+    """Whether a lowering's forward and backward take an optional keyword of the interface
+    (read once per pair of functions: signatures cost more than a small kernel's launch)."""
+    key = (module.forward, module.backward, keyword)
+    if key not in _TAKES:
+        _TAKES[key] = all(keyword in inspect.signature(f).parameters for f in key[:2])
+    return _TAKES[key]
 
 
 def _lowering(q: Tensor, lowering: str, dropout_p: float):
@@ -202,7 +208,7 @@ def _backward(dout, q, k, v, out, lse, plan: RingPlan, group, lower, *, is_causa
         for x, g in zip((dq, dk, dv), cross):
             _accumulate(x, rows, g[:, :, :t], wide)
     back = ring_transport.received_gradients(plan, works, recvs, batch=b, dk=dk_dim, dv=dv_dim)
-    del payloads  # sent: wait() above returned for every send of the batch
+    del payloads  # kept alive until received_gradients waited for every send of the batch
     if back is not None:
         rows = (slice(None), plan.grad_heads, plan.grad_rows)
         _accumulate(dk, rows, back[0], wide)
