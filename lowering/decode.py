@@ -112,7 +112,7 @@ def decode_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     for w, r in zip(segment_lengths, dilation_rates):
         key_rows, allowed = _keys(q, k, cache, positions, w, r, hilbert)
         kg, vg = _gather(k, key_rows).to(wide), _gather(v, key_rows).to(wide)  # [B, Nq, L, Hkv, *]
-        probs = torch.exp(_scores(q, kg, scale) - lse_safe).masked_fill(~allowed, 0.0)
+        probs = torch.exp(_scores(q.to(wide), kg, scale) - lse_safe).masked_fill(~allowed, 0.0)
         probs = probs.view(b, hkv, group, nq, -1)
         dprobs = torch.einsum("bkgnd,bnlkd->bkgnl", dout_w.view(b, hkv, group, nq, -1), vg)
         dscores = probs * (dprobs - delta.view(b, hkv, group, nq, 1)) * scale

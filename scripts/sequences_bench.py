@@ -157,7 +157,8 @@ def packed(out, device):
         def mask_mod(b, hd, qi, ki, wi=wi, ri=ri, cls=cls):
             same = (doc[qi] == doc[ki]) & (pos[qi] // wi == pos[ki] // wi)
             return same & (cls[pos[qi] % wi] == hd % ri) & (cls[pos[ki] % wi] == hd % ri) & (ki <= qi)
-        masks.append(create_block_mask(mask_mod, 1, h, n, n, device=device))
+        # _compile: the block mask is built without materialising the N x N mask first
+        masks.append(create_block_mask(mask_mod, 1, h, n, n, device=device, _compile=True))
 
     def flex_op():
         outs, lses = zip(*(flex(q, k, v, block_mask=m, return_lse=True) for m in masks))
