@@ -21,7 +21,8 @@ from .fx_vocab import example, is_inplace
 from .logs import log, log_site
 from .scope import compiled_roots, config_of
 from .sites import Decision, Match, Site
-from .structure import cache_lengths, insert_recipe, rows_back, rows_in_order
+from .structure import (Recipe, cache_lengths, first_keys, insert_recipe, rows_back,
+                        rows_in_order)
 
 OP = torch.ops.hilbert_fx.dilated_attention.default
 
@@ -69,7 +70,7 @@ def rewrite_site(graph: fx.Graph, match: Match, config: DilatedConfig,
     seq = match.sequences
     structure = [None, None, None]  # position_ids, the first query's cache row, order
     if seq is not None:
-        structure = [None if r is None else insert_recipe(graph, r, memo)
+        structure = [insert_recipe(graph, r, memo) if isinstance(r, Recipe) else r
                      for r in (seq.position_ids, seq.first_row, seq.order)]
     position_ids, first_row, order = structure
     q = example(match.q)
@@ -85,6 +86,8 @@ def rewrite_site(graph: fx.Graph, match: Match, config: DilatedConfig,
             seed = graph.call_function(new_seed, (q.device,))
         q_node, k_node, v_node, mask_node = inputs
         seqused_k = None
+        if seq is not None and seq.trim and position_ids is not None:
+            position_ids = graph.call_function(first_keys, (position_ids, k_node))
         if first_row is not None:
             seqused_k = graph.call_function(cache_lengths, (first_row, q_node))
         if order is not None:  # each row's documents made consecutive, undone on the output

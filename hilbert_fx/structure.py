@@ -71,9 +71,11 @@ def first_row(rows: torch.Tensor) -> torch.Tensor:
     return rows.reshape(-1)[0].to(torch.int64)
 
 
-def cache_lengths(first: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def cache_lengths(first, q: torch.Tensor) -> torch.Tensor:
     """seqused_k [B]: the queries stand at cache rows first, first + 1, ..., so each batch row
-    uses keys [0, first + Nq) (cache_position[-1] + 1)."""
+    uses keys [0, first + Nq) (cache_position[-1] + 1). `first`: a 0-dim tensor or an int."""
+    if not isinstance(first, torch.Tensor):
+        return torch.full((q.shape[0],), first + q.shape[2], dtype=torch.int64, device=q.device)
     return (first + q.shape[2]).expand(q.shape[0]).contiguous()
 
 
@@ -93,6 +95,11 @@ def document_positions(ids: torch.Tensor) -> torch.Tensor:
     new = (ordered != before) | (index == 0)
     start = torch.where(new, index, 0).cummax(dim=-1).values
     return index - start
+
+
+def first_keys(position_ids: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The positions of k's rows: the first Nk of a longer per-token tensor's."""
+    return position_ids[..., :k.shape[2]]
 
 
 def rows_in_order(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -120,17 +127,20 @@ class Recipe:
 @dataclass(frozen=True)
 class Sequences:
     """The structure a site is rewritten with. `what`: the sentence the report shows.
+    `trim`: position_ids is computed over a per-token tensor longer than k (a padding mask
+    whose length is symbolic where k's is not): the op takes its first Nk columns.
     `first_row`: for queries against a buffer longer than what it holds (a static cache), the
-    0-dim tensor of the first query's row there (seqused_k = first_row + Nq, computed at the
-    site). `order`: rows put in document order before the op and back after it. `new_kv`: for
+    first query's row there, an int or a Recipe of a 0-dim tensor (seqused_k = first_row + Nq,
+    computed at the site). `order`: rows put in document order before the op and back after it. `new_kv`: for
     queries against a cache, the key and value rows this step computed, from which the
     self-attention proof reads (the cached rows are the same sequence's, by the cache)."""
     what: str
     is_causal: bool
     position_ids: Optional[Recipe] = None
-    first_row: Optional[Recipe] = None
+    first_row: object = None  # Recipe | int
     order: Optional[Recipe] = None
     new_kv: Optional[tuple] = None
+    trim: bool = False  # position_ids cover more tokens than k has rows: the first Nk are k's
 
 
 @dataclass(frozen=True)
@@ -364,16 +374,16 @@ def read_site(flow, q, k, v, attn_mask, is_causal: bool, site: fx.Node, atoms=No
         return Sequences(f"causal{where}", True, None, seqused, None, new_kv), ""
     if len(rest) == 1:
         (atom,) = rest
-        if isinstance(atom, Rel) and atom.kind == "key" and causal:
-            ex = example(atom.node)
-            if isinstance(ex, torch.Tensor) and ex.dim() == 2 and same_size(ex.shape[-1], nk):
-                return Sequences(f"causal with padding (position_ids = cumsum of the 2-D mask - 1)"
-                                 f"{where}", True, Recipe(padding_positions, (atom.node,)),
-                                 seqused, None, new_kv), ""
+        ex = example(atom.node) if isinstance(atom, Rel) else None
+        trim = isinstance(ex, torch.Tensor) and not same_size(ex.shape[-1], nk)
+        if isinstance(atom, Rel) and atom.kind == "key" and causal and ex.dim() == 2:
+            return Sequences(f"causal with padding (position_ids = cumsum of the 2-D mask - 1)"
+                             f"{where}", True, Recipe(padding_positions, (atom.node,)),
+                             seqused, None, new_kv, trim), ""
         if isinstance(atom, Rel) and atom.kind == "same_run" and cache is None:
             return Sequences(("causal, " if causal else "") + "packed sequences (position_ids "
                              "from runs of consecutive position ids)", causal,
-                             Recipe(run_positions, (atom.node,))), ""
+                             Recipe(run_positions, (atom.node,)), trim=trim), ""
         if isinstance(atom, Rel) and atom.kind == "same_id" and cache is None:
             return Sequences(("causal, " if causal else "") + "documents by id (rows sorted by "
                              "document, position_ids within each)", causal,
@@ -384,11 +394,11 @@ def read_site(flow, q, k, v, attn_mask, is_causal: bool, site: fx.Node, atoms=No
                   f"one sequence structure the op takes")
 
 
-def _offset_recipe(flow, k) -> Optional[Recipe]:
-    """A recipe for the offset k (an int, or one run-time counter plus an int) read as the mask
-    read it: a counter read before any in-place write to it (the recipe reads it then)."""
+def _offset_recipe(flow, k):
+    """The offset k as the first query's row: an int as it is, a run-time counter plus an int as
+    a recipe that reads the counter before any in-place write to it (as the mask read it)."""
     if isinstance(k, int):
-        return None  # a buffer with a fixed number of rows before the queries: not a cache
+        return k if k >= 0 else None
     const, terms = k.as_coeff_add()
     if len(terms) != 1 or terms[0] not in flow.atoms or not const.is_Integer:
         return None

@@ -581,9 +581,10 @@ class Triangles:
                 bdim = b.dim
         if not self.pointwise:
             out = example(node)
-            if not isinstance(out, torch.Tensor) or -t.dim > out.dim() \
-                    or not same_size(out.shape[t.dim], src.shape[-1]):
-                return None  # the arange covers the whole per-token tensor
+            if not isinstance(out, torch.Tensor) or -t.dim > out.dim():
+                return None
+            # the tokens read are a prefix of x (all of it, or a padding mask that is longer
+            # than the keys: its length symbolic where the keys' is not)
         if isinstance(value, Pos):
             return Pos(t.dim, value.off) if value.dim == -1 else None
         tok = self.token(src_node)

@@ -1,0 +1,207 @@
+"""SPEC section 5 on transformers models (small configs, random weights, nothing downloaded):
+what a user does around a sequence does not change what the compiled model computes for it.
+
+- packed documents (position_ids restarting at 0, as DataCollatorWithFlattening packs them)
+  give each document's logits and gradients as the document alone;
+- a left- or right-padded batch gives each row's logits as the row alone;
+- generate() with the dynamic and the static cache (hilbert_fx.compile_for_generate) picks, at
+  each of 20 steps, the argmax of a full forward of the compiled model over the sequence so far.
+
+The branches (8, 1), (16, 2) are shorter than the sequences, so the pattern matters: the compiled
+model differs from the dense one, and a mask laid over the row (section 2) would differ from the
+document or row alone. The pass runs without Inductor (the rewritten graph runs as it is), for
+time; tests/test_hf_models.py runs the whole backend.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import hilbert_fx  # noqa: E402
+
+W, R = (8, 16), (1, 2)
+VOCAB, LAYERS = 96, 2
+ATOL, RTOL = 2e-5, 1e-4
+
+
+def llama(impl="sdpa"):
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=256, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, attn_implementation=impl))
+
+
+def qwen2(impl="sdpa"):
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        num_hidden_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=256, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, attn_implementation=impl))
+
+
+FAMILIES = {"llama": llama, "qwen2": qwen2, "llama-eager": lambda: llama("eager")}
+
+
+def model_of(family):
+    torch.manual_seed(0)
+    return FAMILIES[family]().eval()
+
+
+def recording_backend():
+    """The configured backend, keeping what the pass did to each graph, without Inductor."""
+    be = hilbert_fx.backend(W, R, hilbert=True, lowering="sdpa")
+    be.compile_with_inductor = False
+    be.keep_records = True
+    return be
+
+
+def sites(be):
+    return [s for record in be.records for s in record.sites]
+
+
+def described(be):
+    return [(s.kind, s.module, s.action, s.reason,
+             s.sequences.what if s.sequences is not None else "") for s in sites(be)]
+
+
+def tokens(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (1, n), generator=g)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_documents_equal_each_document_alone(family):
+    """Three documents in one row, position_ids restarting at 0: logits and the gradients of a
+    loss equal those of each document alone; transformers' causal-and-same-document mask became
+    is_causal with position_ids (no N x N mask)."""
+    model = model_of(family)
+    lengths = (13, 21, 9)
+    docs = [tokens(n, seed) for seed, n in enumerate(lengths)]
+    labels = [tokens(n, 10 + seed) for seed, n in enumerate(lengths)]
+    ids, targets = torch.cat(docs, 1), torch.cat(labels, 1)
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    torch._dynamo.reset()
+    be = recording_backend()
+    compiled = torch.compile(model, backend=be)
+
+    def loss_and_grads(logits, target):
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(),
+                                                 reduction="sum")
+        return torch.autograd.grad(loss, list(model.parameters()))
+
+    packed = compiled(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+    packed_grads = loss_and_grads(packed, targets)
+    packed_sites = sites(be)
+    alone = [compiled(input_ids=d, use_cache=False).logits for d in docs]
+    alone_grads = [loss_and_grads(a, t) for a, t in zip(alone, labels)]
+    torch.testing.assert_close(packed, torch.cat(alone, 1), atol=ATOL, rtol=RTOL)
+    for g, *parts in zip(packed_grads, *alone_grads):
+        torch.testing.assert_close(g, sum(parts), atol=1e-4, rtol=1e-3)
+    assert [s.action for s in packed_sites] == ["rewritten"] * LAYERS, described(be)
+    assert all(s.is_causal and s.attn_mask is None and "packed" in s.sequences.what
+               for s in packed_sites), described(be)
+    with torch.no_grad():  # the pattern matters at these lengths
+        dense = model(input_ids=docs[1], use_cache=False).logits
+    assert (alone[1] - dense).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_padded_rows_equal_each_row_alone(family, side):
+    """A batch of rows 30 and 41 tokens long, the shorter padded (position_ids from the mask, as
+    generate() makes them): each row's real tokens get the logits of the row alone."""
+    model = model_of(family)
+    rows = [tokens(30, 1), tokens(41, 2)]
+    n = 41
+    ids = torch.zeros(2, n, dtype=torch.long)
+    mask = torch.zeros(2, n, dtype=torch.long)
+    for b, row in enumerate(rows):
+        where = slice(n - row.shape[1], n) if side == "left" else slice(0, row.shape[1])
+        ids[b, where], mask[b, where] = row[0], 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    torch._dynamo.reset()
+    be = recording_backend()
+    compiled = torch.compile(model, backend=be)
+    with torch.no_grad():
+        batch = compiled(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
+        batch_sites = sites(be)
+        for b, row in enumerate(rows):
+            alone = compiled(input_ids=row).logits[0]
+            torch.testing.assert_close(batch[b][mask[b].bool()], alone, atol=ATOL, rtol=RTOL)
+    assert all(s.action == "rewritten" and s.attn_mask is None and "padding" in s.sequences.what
+               for s in batch_sites), described(be)
+
+
+GENERATE = [("llama", "dynamic", 1), ("llama", "static", 1), ("llama", "dynamic", 2),
+            ("llama", "static", 2), ("qwen2", "dynamic", 1), ("qwen2", "static", 1),
+            ("llama-eager", "dynamic", 1)]
+
+
+@pytest.mark.parametrize("family,cache,batch", GENERATE,
+                         ids=[f"{f}-{c}-batch{b}" for f, c, b in GENERATE])
+def test_generate_picks_the_argmax_of_full_forwards(family, cache, batch):
+    """compile_for_generate, then greedy generate() for 20 new tokens: each step's logits are
+    those of a full forward of the compiled model over the sequence so far (so its token is
+    their argmax). Batch 2: the second prompt is shorter, left-padded; its full forwards run on
+    the row alone. Every decoding step's attention is rewritten against the cache."""
+    model = model_of(family)
+    prompts = [tokens(17, 3), tokens(11, 4)][:batch]
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.shape[1]:], mask[b, width - p.shape[1]:] = p[0], 1
+    torch._dynamo.reset()
+    be = recording_backend()
+    hilbert_fx.compile_for_generate(model, backend=be)
+    new = 20
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, cache_implementation=cache, eos_token_id=None,
+                             return_dict_in_generate=True, output_logits=True)
+        generate_sites = sites(be)
+        for b, p in enumerate(prompts):
+            seq = torch.cat([p, out.sequences[b:b + 1, width:]], 1)
+            for t in range(new):
+                full = model(input_ids=seq[:, :p.shape[1] + t], use_cache=False).logits[0, -1]
+                torch.testing.assert_close(out.logits[t][b], full, atol=1e-4, rtol=1e-4)
+                assert out.sequences[b, width + t] == full.argmax()
+    decoding = [s for s in generate_sites if example_length(s) == 1]
+    assert decoding and all(s.action == "rewritten" and f"{cache} cache" in s.sequences.what
+                            for s in decoding), described(be)
+    assert all(s.action == "rewritten" for s in generate_sites), described(be)
+
+
+def example_length(site):
+    """The number of queries of a site (from q's recorded shape)."""
+    q = site.match.q
+    ex = q.meta.get("example_value", q.meta.get("val"))
+    return ex.shape[2] if site.shapes is None else site.shapes.q[2]
+
+
+def test_compiled_module_generate_runs_the_uncompiled_forward():
+    """torch.compile(model).generate() hands generate to the model: no forward is compiled (the
+    reason compile_for_generate compiles model.forward)."""
+    model = model_of("llama")
+    torch._dynamo.reset()
+    be = recording_backend()
+    with torch.no_grad():
+        torch.compile(model, backend=be).generate(tokens(9, 5), max_new_tokens=3, do_sample=False)
+    assert be.records == []
+
+
+def test_static_cache_mask_built_by_generate_is_reported():
+    """Compiled without compile_for_generate's mask hook, a static cache's decoding steps get the
+    4-D mask generate() built as a graph input: the pass cannot read it, says so, and leaves the
+    site as it is."""
+    model = model_of("llama")
+    torch._dynamo.reset()
+    be = recording_backend()
+    model.forward = torch.compile(model.forward, backend=be)
+    with torch.no_grad():
+        model.generate(tokens(9, 5), max_new_tokens=3, do_sample=False,
+                       cache_implementation="static")
+    decoding = [s for s in sites(be) if example_length(s) == 1]
+    assert decoding and all(s.action == "skipped" and "input of the compiled graph" in s.reason
+                            for s in decoding), described(be)
