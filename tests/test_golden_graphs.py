@@ -59,6 +59,37 @@ def manual_alibi_baddbmm(x, w, bias, mask):
 MHA = torch.nn.MultiheadAttention(16, 2, batch_first=True)
 
 
+def packed_documents(x, w, position_ids):
+    """transformers' packed sequences: causal over position ids and same run of consecutive ids."""
+    b, n, _ = x.shape
+    q, k, v = (x @ w).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+    documents = (torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    batch = torch.arange(b)[:, None, None, None]
+    qi, ki = torch.arange(n)[None, None, :, None], torch.arange(n)[None, None, None, :]
+    mask = (position_ids[batch, ki] <= position_ids[batch, qi]) & (
+        documents[batch, qi] == documents[batch, ki])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def decode_dynamic_cache(x, w, past_k, past_v):
+    """One query against a DynamicCache: the cached rows and this step's, concatenated."""
+    q, k, v = (x @ w).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+    k, v = torch.cat([past_k, k], dim=-2), torch.cat([past_v, v], dim=-2)
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def decode_static_cache(x, w, k_cache, v_cache, length):
+    """One query against a StaticCache: this step's rows written at the cache length, the mask
+    from the same length (the buffer is longer than what it holds)."""
+    q, k, v = (x @ w).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+    rows = torch.arange(x.shape[1]) + length
+    k_cache.index_copy_(2, rows, k)
+    v_cache.index_copy_(2, rows, v)
+    qi = (torch.arange(x.shape[1]) + length)[None, None, :, None]
+    ki = torch.arange(k_cache.shape[2])[None, None, None, :]
+    return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=ki <= qi)
+
+
 def mha_padded(x, padding):
     return MHA(x, x, x, key_padding_mask=padding, need_weights=False)[0]
 
@@ -201,6 +232,74 @@ def forward(self, L_q_ : torch.Tensor, L_mask_ : torch.Tensor):
     getitem = dilated_attention_default[0]
     mul = getitem * 2
     return (mul,)""")
+
+
+    def test_sdpa_packed_documents(self):
+        x, w = torch.randn(1, 12, 16), torch.nn.Parameter(torch.randn(16, 48))
+        position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
+        self.assertExpectedInline(graph_after(packed_documents, x, w, position_ids), """\
+def forward(self, L_x_ : torch.Tensor, L_w_ : torch.nn.parameter.Parameter, L_position_ids_ : torch.Tensor):
+    l_x_ = L_x_
+    l_w_ = L_w_
+    l_position_ids_ = L_position_ids_
+    run_positions = hilbert_fx_structure_run_positions(l_position_ids_)
+    matmul = l_x_ @ l_w_
+    unflatten = matmul.unflatten(-1, (3, 2, 8))
+    permute = unflatten.permute(2, 0, 3, 1, 4)
+    q = permute[0]
+    k = permute[1]
+    v = permute[2]
+    dilated_attention_default = torch.ops.hilbert_fx.dilated_attention.default(q, k, v, [8, 16], [1, 2], True, True, None, 0.0, None, 0.35355339059327373, 'sdpa', run_positions, None)
+    getitem_11 = dilated_attention_default[0]
+    return (getitem_11,)""")
+
+    def test_sdpa_decoding_against_a_dynamic_cache(self):
+        x, w = torch.randn(1, 1, 16), torch.nn.Parameter(torch.randn(16, 48))
+        past = torch.randn(1, 2, 9, 8)
+        self.assertExpectedInline(graph_after(decode_dynamic_cache, x, w, past, past * 2), """\
+def forward(self, L_x_ : torch.Tensor, L_w_ : torch.nn.parameter.Parameter, L_past_k_ : torch.Tensor, L_past_v_ : torch.Tensor):
+    l_x_ = L_x_
+    l_w_ = L_w_
+    l_past_k_ = L_past_k_
+    l_past_v_ = L_past_v_
+    matmul = l_x_ @ l_w_
+    unflatten = matmul.unflatten(-1, (3, 2, 8))
+    permute = unflatten.permute(2, 0, 3, 1, 4)
+    q = permute[0]
+    k = permute[1]
+    v = permute[2]
+    k_1 = torch.cat([l_past_k_, k], dim = -2)
+    v_1 = torch.cat([l_past_v_, v], dim = -2)
+    dilated_attention_default = torch.ops.hilbert_fx.dilated_attention.default(q, k_1, v_1, [8, 16], [1, 2], True, True, None, 0.0, None, 0.35355339059327373, 'sdpa', None, None)
+    getitem_3 = dilated_attention_default[0]
+    return (getitem_3,)""")
+
+    def test_sdpa_decoding_against_a_static_cache(self):
+        x, w = torch.randn(1, 1, 16), torch.nn.Parameter(torch.randn(16, 48))
+        k_cache, v_cache = torch.zeros(1, 2, 32, 8), torch.zeros(1, 2, 32, 8)
+        self.assertExpectedInline(graph_after(decode_static_cache, x, w, k_cache, v_cache,
+                                              torch.tensor(9)), """\
+def forward(self, L_x_ : torch.Tensor, L_w_ : torch.nn.parameter.Parameter, L_length_ : torch.Tensor, L_k_cache_ : torch.Tensor, L_v_cache_ : torch.Tensor):
+    l_x_ = L_x_
+    l_w_ = L_w_
+    l_length_ = L_length_
+    l_k_cache_ = L_k_cache_
+    l_v_cache_ = L_v_cache_
+    tensor_offset = hilbert_fx_structure_tensor_offset(l_length_, 0)
+    matmul = l_x_ @ l_w_
+    unflatten = matmul.unflatten(-1, (3, 2, 8))
+    permute = unflatten.permute(2, 0, 3, 1, 4)
+    q = permute[0]
+    k = permute[1]
+    v = permute[2]
+    arange = torch.arange(1)
+    rows = arange + l_length_
+    index_copy_ = l_k_cache_.index_copy_(2, rows, k)
+    index_copy__1 = l_v_cache_.index_copy_(2, rows, v)
+    cache_lengths = hilbert_fx_structure_cache_lengths(tensor_offset, q)
+    dilated_attention_default = torch.ops.hilbert_fx.dilated_attention.default(q, l_k_cache_, l_v_cache_, [8, 16], [1, 2], True, True, None, 0.0, None, 0.35355339059327373, 'sdpa', None, cache_lengths)
+    getitem_5 = dilated_attention_default[0]
+    return (getitem_5,)""")
 
 
 if __name__ == "__main__":
