@@ -236,7 +236,7 @@ def model(out, device):
             m = LlamaForCausalLM(config).to(device, torch.bfloat16).eval()
             backend = "inductor" if name == "dense" else hilbert_fx.backend(
                 segment_lengths=w, dilation_rates=r, hilbert=True)
-            m.forward = torch.compile(m.forward, backend=backend, dynamic=True)
+            hilbert_fx.compile_for_generate(m, backend=backend, dynamic=True)
             prompt = torch.randint(0, 1024, (1, length), device=device)
             with torch.no_grad():
                 m.generate(prompt, max_new_tokens=4, do_sample=False)  # compiles
