@@ -60,7 +60,6 @@ from .autocast import register_autocast
 from .dropout import new_seed
 from .op import _compute_dtype, _op_backward_fake, _op_fake
 from .ring_agree import group_name_of
-from .ring_agree import local_error as _local_error  # noqa: F401  (the name tests read)
 from .ring_plan import RingPlan, plan_bytes, ring_plan
 from .ring_transport import comm_stats, reset_comm_stats
 
@@ -134,7 +133,6 @@ def _keys(plan: RingPlan, x: Tensor, received: Optional[Tensor]) -> Tensor:
     return ext
 
 
-_lse_merge = block_attention.merge  # the ring's merge, under the name tests/test_op_edges.py reads
 
 
 def _merge_rows(out: Tensor, lse: Tensor, rows: Tensor, o: Tensor, lse_o: Tensor) -> None:
@@ -146,7 +144,7 @@ def _merge_rows(out: Tensor, lse: Tensor, rows: Tensor, o: Tensor, lse_o: Tensor
     o1 = out[:, :, rows].to(wide).masked_fill((l1 == NEG_INF).unsqueeze(-1), 0.0)
     lse_o = lse_o.to(wide)
     o2 = o.to(wide).masked_fill((lse_o == NEG_INF).unsqueeze(-1), 0.0)
-    merged, lse[:, :, rows] = _lse_merge(o1, l1, o2, lse_o)
+    merged, lse[:, :, rows] = block_attention.merge(o1, l1, o2, lse_o)
     out[:, :, rows] = merged.to(out.dtype)
 
 

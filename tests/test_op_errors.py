@@ -153,14 +153,14 @@ def test_rule_book_accepts_a_good_call_and_unknown_dtypes():
 def test_ring_local_check_reads_the_rule_book():
     """The ring's local check before agreeing across ranks returns problem's text (no mesh
     needed: it runs before any collective)."""
-    from hilbert_fx.lowering import ring
     from hilbert_fx.lowering.arguments import problem
+    from hilbert_fx.lowering.ring_agree import local_error
     k = x(1, 3, 8, 4)
-    error = ring._local_error(Q, k, k, (4,), (1,), False, None, 0.0, 0.5, "sdpa")
+    error = local_error(Q, k, k, (4,), (1,), False, None, 0.0, 0.5, "sdpa")
     assert error == problem(Q, k, k, enable_gqa=True) and "Hq % Hkv" in error
-    assert ring._local_error(Q, K, V, (4,), (1,), True, None, 0.0, 0.5, "sdpa") is None
-    assert "dropout_p" in ring._local_error(Q, K, V, (4,), (1,), False, None, 1.5, 0.5, "sdpa")
-    assert "multiple of its dilation rate" in ring._local_error(Q, K, V, (6,), (4,), False, None,
+    assert local_error(Q, K, V, (4,), (1,), True, None, 0.0, 0.5, "sdpa") is None
+    assert "dropout_p" in local_error(Q, K, V, (4,), (1,), False, None, 1.5, 0.5, "sdpa")
+    assert "multiple of its dilation rate" in local_error(Q, K, V, (6,), (4,), False, None,
                                                                 0.0, 0.5, "sdpa")
 
 
