@@ -72,38 +72,40 @@ def tokens(n, seed):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_packed_documents_equal_each_document_alone(family):
-    """Three documents in one row, position_ids restarting at 0: logits and the gradients of a
-    loss equal those of each document alone; transformers' causal-and-same-document mask became
-    is_causal with position_ids (no N x N mask)."""
+    """Three documents packed by DataCollatorWithFlattening (one row, position_ids restarting at
+    0, labels -100 at each document's start): logits and the gradients of the loss equal those
+    of each document alone; transformers' causal-and-same-document mask became is_causal with
+    position_ids (no N x N mask)."""
     model = model_of(family)
     lengths = (13, 21, 9)
     docs = [tokens(n, seed) for seed, n in enumerate(lengths)]
-    labels = [tokens(n, 10 + seed) for seed, n in enumerate(lengths)]
-    ids, targets = torch.cat(docs, 1), torch.cat(labels, 1)
-    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    collate = transformers.DataCollatorWithFlattening()
+    packed_batch = collate([{"input_ids": d[0].tolist()} for d in docs])
+    alone_batches = [collate([{"input_ids": d[0].tolist()}]) for d in docs]
     torch._dynamo.reset()
     be = recording_backend()
     compiled = torch.compile(model, backend=be)
 
-    def loss_and_grads(logits, target):
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(),
-                                                 reduction="sum")
-        return torch.autograd.grad(loss, list(model.parameters()))
+    def run(batch):
+        """Logits and the gradients of the summed next-token loss (labels shifted by one)."""
+        logits = compiled(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                          use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1], batch["labels"][0, 1:],
+                                                 ignore_index=-100, reduction="sum")
+        return logits, torch.autograd.grad(loss, list(model.parameters()))
 
-    packed = compiled(input_ids=ids, position_ids=position_ids, use_cache=False).logits
-    packed_grads = loss_and_grads(packed, targets)
+    packed, packed_grads = run(packed_batch)
     packed_sites = sites(be)
-    alone = [compiled(input_ids=d, use_cache=False).logits for d in docs]
-    alone_grads = [loss_and_grads(a, t) for a, t in zip(alone, labels)]
-    torch.testing.assert_close(packed, torch.cat(alone, 1), atol=ATOL, rtol=RTOL)
-    for g, *parts in zip(packed_grads, *alone_grads):
+    alone = [run(batch) for batch in alone_batches]
+    torch.testing.assert_close(packed, torch.cat([a for a, _ in alone], 1), atol=ATOL, rtol=RTOL)
+    for g, *parts in zip(packed_grads, *(grads for _, grads in alone)):
         torch.testing.assert_close(g, sum(parts), atol=1e-4, rtol=1e-3)
     assert [s.action for s in packed_sites] == ["rewritten"] * LAYERS, described(be)
     assert all(s.is_causal and s.attn_mask is None and "packed" in s.sequences.what
                for s in packed_sites), described(be)
     with torch.no_grad():  # the pattern matters at these lengths
         dense = model(input_ids=docs[1], use_cache=False).logits
-    assert (alone[1] - dense).abs().max() > 1e-3
+    assert (alone[1][0] - dense).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
