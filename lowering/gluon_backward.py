@@ -51,33 +51,57 @@ def launch(q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2, delta, pla
     dv (float32 [B, Hkv, N, D]) or, when `last`, dk_final, dv_final (k's dtype) get the key rows
     of its sets, plus what earlier branches left in dk, dv where `seen` ([Hkv, N] uint8) is set.
     lse2 = lse * log2 e and delta = rowsum(dout * out), contiguous [B, Hq, N]."""
+    if dout_needs_copy(dout, plan):
+        dout = dout.contiguous()
+    kernel, grid, args, kwargs = prepare(
+        q, k, v, dout, plan, positions, is_causal=is_causal, scale=scale, first=first, last=last,
+        refs=(q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2, delta))
+    kernel[grid](*[a.make(a.source) if isinstance(a, gluon_forward.Descriptor) else a
+                   for a in args], **kwargs)
+
+
+GENUINE_LAUNCH = launch  # lowering/triton_lowering.py calls `launch` itself when tests replace it
+
+
+def dout_needs_copy(dout, plan) -> bool:
+    """Whether dout must be made contiguous first: a layout the 2-D views cannot read, an
+    unaligned start, or rows too far apart for the gather's int32 offsets."""
+    n = dout.shape[2]
+    return (gluon_forward._view(dout, plan.dilation_rate) is None or dout.data_ptr() % 16 != 0
+            or (not plan.is_strided and n * dout.stride(2) >= 2**31))
+
+
+def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, first: bool,
+            last: bool, refs) -> tuple:
+    """(kernel, grid, positional arguments, keyword arguments) of `launch` for a dout that needs
+    no copy, where refs stand for (q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2,
+    delta) in the arguments and a TMA descriptor is a gluon_forward.Descriptor of its tensor's
+    stand-in (as gluon_forward.prepare)."""
     kern = _load()
+    q_ref, k_ref, v_ref, do_ref, *buffers = refs
     b, hq, n, d = q.shape
     hkv = k.shape[1]
     w, r = plan.segment_length, plan.dilation_rate
     group = hq // hkv
     classes = min(r, group)
-    if gluon_forward._view(dout, r) is None or dout.data_ptr() % 16 or \
-            (not plan.is_strided and n * dout.stride(2) >= 2**31):
-        dout = dout.contiguous()
     grid = ((w // r) // CTA_KEYS, n // w, b * hkv * classes)
     bm = _TILES["BLOCK_M"]
     run = gluon_forward.plan_run(plan)
     if plan.is_strided or run:
         tensors, coords = [], []
-        for x, box in ((q, [run or bm, d]), (k, [run or 64, d]), (k, [run or CTA_KEYS, d // 2]),
-                       (v, [run or 64, d]), (dout, [run or bm, d])):
-            desc, row_col = gluon_forward._descriptor(x, r, box)
-            tensors.append(desc)
+        for x, ref, box in ((q, q_ref, [run or bm, d]), (k, k_ref, [run or 64, d]),
+                            (k, k_ref, [run or CTA_KEYS, d // 2]), (v, v_ref, [run or 64, d]),
+                            (dout, do_ref, [run or bm, d])):
+            tensors.append(gluon_forward.Descriptor(ref, r, box))
             if box[1] == d:  # the second descriptor of k shares the first's coordinates
-                coords += row_col
+                coords += gluon_forward._view(x, r)[1:]
         regs = dict(GATHER=not plan.is_strided, RUN=run, **_TMA_PRODUCER)
     else:
-        tensors = [q, k, k, v, dout]
+        tensors = [q_ref, k_ref, k_ref, v_ref, do_ref]
         coords = [s for x in (q, k, v, dout) for s in (*x.stride()[:3], 0)]
         regs = dict(GATHER=True, RUN=0, **_GATHER_PRODUCER)
-    kern._bwd_kernel[grid](*tensors, dq, dk, dv, dk_final, dv_final, seen, lse2, delta, positions,
-                           scale * LOG2E, scale, hq, hkv, n, group, classes, w,
-                           positions.stride(0), positions.stride(1), *coords, R=r, HEAD_D=d,
-                           CAUSAL=bool(is_causal), FIRST=first, LAST=last, ONE_HEAD=group <= r,
-                           **_TILES, **regs)
+    args = [*tensors, *buffers, positions, scale * LOG2E, scale, hq, hkv, n, group, classes, w,
+            positions.stride(0), positions.stride(1), *coords]
+    kwargs = dict(R=r, HEAD_D=d, CAUSAL=bool(is_causal), FIRST=first, LAST=last,
+                  ONE_HEAD=group <= r, **_TILES, **regs)
+    return kern._bwd_kernel, grid, args, kwargs

@@ -90,6 +90,42 @@ def _descriptor(x: torch.Tensor, r: int, box: list[int]):
     return TensorDescriptor(view, list(view.shape), list(view.stride()), box, layout), row_col
 
 
+class Descriptor:
+    """A launch argument standing for the TMA descriptor of a call's tensor (`source`, a stand-in
+    that the launcher replaces by the tensor) seen as the 2-D view of `_view` with boxes `box`.
+
+    `make(x)` builds the descriptor as `launch` always did (layout, validation, the view).
+    `rebase(x)` is the same descriptor for another tensor of the same shape, strides, dtype and
+    16-byte alignment, made without that work: the fields of the first descriptor made, with
+    only the base changed. The base is x itself rather than its view: the view starts at x's
+    first element, and a launch reads of the base only its data pointer (Triton 3.6's
+    make_tensordesc_arg). lowering/triton_lowering.py uses `rebase` only for launches that skip
+    Triton's argument binding, whose configuration (hence shape, strides, box) is the first
+    launch's; the first descriptor's base is not kept (it would keep that call's tensor alive)."""
+    __slots__ = ("source", "r", "box", "_fields")
+
+    def __init__(self, source, r: int, box: list[int]):
+        self.source, self.r, self.box = source, r, box
+        self._fields = None
+
+    def make(self, x: torch.Tensor):
+        desc, _ = _descriptor(x, self.r, self.box)
+        if self._fields is None:
+            self._fields = dict(vars(desc), base=None)
+        return desc
+
+    def rebase(self, x: torch.Tensor):
+        desc = object.__new__(_descriptor_class())
+        desc.__dict__.update(self._fields)
+        desc.base = x
+        return desc
+
+
+def _descriptor_class():
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    return TensorDescriptor
+
+
 def _whole_sets(plan) -> bool:
     """Whether the plan is N / w segments of w / r members each, from its fields alone (reading
     its counts would synchronise with the GPU). A complete plan has each row in exactly one set
@@ -165,10 +201,21 @@ def unsupported(q, k, v, plan, *, is_causal: bool, mask_kind: int, dropout: bool
     return _note(_unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale), plan)
 
 
+_capabilities: dict = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability, asked once per device (it does not change)."""
+    hit = _capabilities.get(device)
+    if hit is None:
+        hit = _capabilities[device] = torch.cuda.get_device_capability(device)
+    return hit
+
+
 def _unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale) -> str | None:
     if not tuning().gluon:
         return "HILBERT_FX_GLUON=0"
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if q.device.type != "cuda" or _capability(q.device)[0] != 9:
         return "not a compute capability 9.x GPU"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {q.dtype}"
@@ -200,7 +247,23 @@ def launch(q, k, v, out, acc, lse, plan, positions, *, is_causal: bool, scale: f
     """One branch into (out, acc, lse) as lowering/triton_kernels.py's _fwd_kernel would; out and
     acc contiguous [B, H, N, D], lse contiguous [B, H, N]. Strided sets are read by TMA, others
     through `positions` (int32 [r, segments, >= w / r], lowering/triton_lowering._plan_tensors)."""
+    kernel, grid, args, kwargs = prepare(q, k, v, plan, positions, is_causal=is_causal,
+                                         scale=scale, first=first, last=last,
+                                         refs=(q, k, v, out, acc, lse))
+    kernel[grid](*[a.make(a.source) if isinstance(a, Descriptor) else a for a in args], **kwargs)
+
+
+GENUINE_LAUNCH = launch  # lowering/triton_lowering.py calls `launch` itself when tests replace it
+
+
+def prepare(q, k, v, plan, positions, *, is_causal: bool, scale: float, first: bool, last: bool,
+            refs) -> tuple:
+    """(kernel, grid, positional arguments, keyword arguments) of `launch`, where refs stand for
+    (q, k, v, out, acc, lse) in the arguments (the tensors themselves, or a lowering's stand-ins
+    for a call's tensors) and a TMA descriptor is a `Descriptor` of its tensor's stand-in. q, k,
+    v give shapes, strides and dtype only."""
     kern = _load()
+    q_ref, k_ref, v_ref, out, acc, lse = refs
     b, hq, n, d = q.shape
     w, r = plan.segment_length, plan.dilation_rate
     tiles = _TILES[d]
@@ -208,16 +271,16 @@ def launch(q, k, v, out, acc, lse, plan, positions, *, is_causal: bool, scale: f
     run = plan_run(plan)
     if plan.is_strided or run:
         tensors, coords = [], []
-        for x, rows in ((q, tiles["BLOCK_M"]), (k, tiles["BLOCK_N"]), (v, tiles["BLOCK_N"])):
-            desc, row_col = _descriptor(x, r, [run or rows, d])
-            tensors.append(desc)
-            coords += row_col
+        for x, ref, rows in ((q, q_ref, tiles["BLOCK_M"]), (k, k_ref, tiles["BLOCK_N"]),
+                             (v, v_ref, tiles["BLOCK_N"])):
+            tensors.append(Descriptor(ref, r, [run or rows, d]))
+            coords += _view(x, r)[1:]
         regs = dict(GATHER=not plan.is_strided, RUN=run, **_TMA_PRODUCER)
     else:
-        tensors = [q, k, v]
+        tensors = [q_ref, k_ref, v_ref]
         coords = [s for x in (q, k, v) for s in (*x.stride()[:3], 0)]
         regs = dict(GATHER=True, RUN=0, **_GATHER_PRODUCER)
-    kern._fwd_kernel[grid](*tensors, out, acc, lse, positions, scale * LOG2E, hq, n,
-                           hq // k.shape[1], r, w, positions.stride(0), positions.stride(1),
-                           *coords, FIRST=first, LAST=last, CAUSAL=bool(is_causal), HEAD_D=d,
-                           **tiles, **regs)
+    args = [*tensors, out, acc, lse, positions, scale * LOG2E, hq, n, hq // k.shape[1], r, w,
+            positions.stride(0), positions.stride(1), *coords]
+    kwargs = dict(FIRST=first, LAST=last, CAUSAL=bool(is_causal), HEAD_D=d, **tiles, **regs)
+    return kern._fwd_kernel, grid, args, kwargs

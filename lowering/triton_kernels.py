@@ -280,12 +280,15 @@ def _fwd_kernel(Out, Acc, Lse,
 
 
 @triton.jit
-def _bwd_preprocess(Out, DO, Lse, Delta, Lse2,
+def _bwd_preprocess(Out, DO, Lse, Delta, Lse2, DQ,
                     stride_ob, stride_oh, stride_on, stride_od,
                     stride_db, stride_dh, stride_dn, stride_dd,
-                    H, N, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr):
+                    H, N, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ZERO_DQ: tl.constexpr):
     """Delta = rowsum(dO * O) with the final O, and the lse in base 2 with +inf for rows that have
-    no key (so that every probability of theirs is exp2(s - inf) = 0)."""
+    no key (so that every probability of theirs is exp2(s - inf) = 0). ZERO_DQ: also zeroes the
+    program's rows of DQ (float32, contiguous [B, H, N, HEAD_DIM]), which the dq atomics add to:
+    one launch fewer than a separate fill."""
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
@@ -302,6 +305,11 @@ def _bwd_preprocess(Out, DO, Lse, Delta, Lse2,
     lse = tl.load(Lse + rows, mask=row_ok, other=0.0)
     tl.store(Lse2 + rows, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634),
              mask=row_ok)
+    if ZERO_DQ:
+        offs_dq = tl.arange(0, BLOCK_D)
+        tl.store(DQ + rows[:, None] * HEAD_DIM + offs_dq[None, :],
+                 tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
+                 mask=row_ok[:, None] & (offs_dq[None, :] < HEAD_DIM))
 
 
 @triton.jit

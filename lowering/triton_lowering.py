@@ -65,11 +65,27 @@ a RuntimeError saying so. This module leaves the environment alone: setting the 
 import would switch a process that also uses a GPU to the interpreter.
 
 Tile sizes: lowering/tuning.py's `tile_config` (tables by GPU, dtype and head dim; overrides
-HILBERT_FX_TRITON_FWD, _DKDV, _DQ), shrunk at launch if the GPU lacks the resources (`_launch`).
-The kernels' positional parameters, shared by all three, are built by `Call.operands`.
+HILBERT_FX_TRITON_FWD, _DKDV, _DQ), shrunk at the first launch if the GPU lacks the resources
+(`_Launch`). The kernels' positional parameters, shared by all three, are built by
+`Call.operands`.
+
+Launches. The host must not set the pace: at N = 8K the GPU work of a forward+backward is about
+1.8 ms on an H100, and Triton's launch path (binding and specialising 35 to 70 arguments a
+launch, the Hopper kernels' TMA descriptors built in Python) took 3.7 ms of CPU. So a call's
+work is planned once per configuration: `forward` and `backward` look up a program (`_Forward`,
+`_Backward`) by a key of everything that shapes the launches (`_key`: shapes, strides, dtypes,
+devices and alignment of the inputs, the plans by identity, mask and dropout layouts, the scale,
+the knobs), built on the first call with the checks, the plans' tensors, the Hopper kernels'
+eligibility, the tiles, grids and every static argument. A program's launches (`_Launch`) name
+the call's tensors by `Slot`; the first goes through Triton (`kernel[grid](...)`), later ones
+hand its launcher the arguments directly, the Hopper kernels' descriptors rebuilt only from a
+new data pointer (gluon_forward.Descriptor). The backward's preprocessing also zeroes the dq
+buffer that atomics add to, instead of a separate fill. HILBERT_FX_FAST_LAUNCH=0 sends every
+launch through Triton's own path; scripts/host_profile.py measures both.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -162,29 +178,168 @@ def _check_inputs(q, k, v):
 
 # ----------------------------------------------------------------------------- launches
 
+
+class Slot:
+    """A call's tensor in the arguments of a cached launch: a program (`_Forward`, `_Backward`)
+    is built once per configuration and its launches name a call's tensors by slot, filled in
+    at each call (`_Launch`)."""
+    __slots__ = ("index", "name")
+
+    def __init__(self, index: int, name: str):
+        self.index, self.name = index, name
+
+    def __repr__(self) -> str:
+        return f"Slot({self.name})"
+
+
+_SLOT_NAMES = ("q", "k", "v", "dout", "mask", "seed", "out", "acc", "lse", "out_in", "lse_in",
+               "delta", "lse2", "dq", "dk", "dv", "dq_final", "dk_final", "dv_final", "dout_g")
+(Q, K, V, DOUT, MASK, SEED, OUT, ACC, LSE, OUT_IN, LSE_IN, DELTA, LSE2, DQ, DK, DV, DQ_FINAL,
+ DK_FINAL, DV_FINAL, DOUT_G) = (Slot(i, n) for i, n in enumerate(_SLOT_NAMES))
+NUM_SLOTS = len(_SLOT_NAMES)
+
 # The tiles that ran, by kernel, first-choice tiles, device, dtype and compile-time arguments:
 # a config the GPU had too few resources for is shrunk once, not at every call.
 _working_configs: dict = {}
 
 
-def _launch(kernel, grid_of, cfg: TileConfig, m_multiple_of_n: bool, call: "Call", args: list,
-            constexprs: dict):
-    """kernel[grid](*args, BLOCK_M, BLOCK_N, **constexprs), shrinking the tiles (tuning.shrunk)
-    if the GPU has too few resources for them."""
-    from triton.runtime.errors import OutOfResources
-    key = (kernel.__name__, cfg, call.q.device, call.q.dtype, tuple(sorted(constexprs.items())))
-    cfg = _working_configs.get(key, cfg)
-    while True:
-        try:
-            kernel[grid_of(cfg)](*args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs)
-            _working_configs[key] = cfg
+class _Launch:
+    """One kernel launch of a program: the kernel, its arguments with a call's tensors as `Slot`s
+    (and the Hopper kernels' TMA descriptors as gluon_forward.Descriptors of slots), its
+    keyword arguments, and its grid (or, for the Triton kernels, the tiles and the grid they
+    give, `grid_of(cfg)`; tiles the GPU lacks the resources for are shrunk, tuning.shrunk).
+
+    The first launch goes through Triton's launch path (`kernel[grid](...)`), which binds and
+    specialises every argument, finds the compiled kernel and launches it. What it returns, the
+    compiled kernel, is kept with the arguments in the kernel's parameter order, so that a later
+    launch of the same program hands the launcher the arguments directly: the slots filled with
+    the call's tensors, nothing else recomputed. That is what Triton's own path would launch: a
+    program's key (`_key`) fixes every argument other than the data pointers, and the 16-byte
+    alignment of each caller's tensor, which is all that Triton specialises pointers on (the
+    buffers the lowering allocates are always aligned)."""
+    __slots__ = ("kernel", "args", "kwargs", "grid", "grid_of", "cfg", "m_multiple_of_n",
+                 "cfg_key", "fast")
+
+    def __init__(self, kernel, args: list, kwargs: dict, grid=None, *, grid_of=None, cfg=None,
+                 m_multiple_of_n: bool = True, cfg_key=None):
+        self.kernel, self.args, self.kwargs, self.grid = kernel, args, kwargs, grid
+        self.grid_of, self.cfg, self.m_multiple_of_n = grid_of, cfg, m_multiple_of_n
+        self.cfg_key = cfg_key
+        if cfg_key is not None:
+            self.cfg = _working_configs.get(cfg_key, cfg)
+        self.fast = None
+
+    def __call__(self, bufs: list, stream) -> None:
+        fast = self.fast
+        if fast is not None and stream is not None:
+            run, function, metadata, g0, g1, g2, template, slots, descriptors = fast
+            args = template.copy()
+            for i, slot in slots:
+                args[i] = bufs[slot]
+            for i, slot, desc in descriptors:
+                args[i] = desc.rebase(bufs[slot])
+            run(g0, g1, g2, stream, function, metadata, None, None, None, *args)
             return
-        except OutOfResources:
-            smaller = _shrunk(cfg, m_multiple_of_n)
-            if smaller is None:
-                raise
-            cfg = smaller
+        self._first(bufs, stream)
+
+    def _first(self, bufs: list, stream) -> None:
+        """The launch through Triton's own path (the first, or when a cached one cannot be used:
+        the interpreter, launch hooks, another current device, HILBERT_FX_FAST_LAUNCH=0)."""
+        Descriptor = gluon_forward.Descriptor
+        args = [bufs[a.index] if type(a) is Slot
+                else a.make(bufs[a.source.index]) if type(a) is Descriptor else a
+                for a in self.args]
+        if self.grid_of is None:
+            grid, kwargs = self.grid, self.kwargs
+            compiled = self.kernel[grid](*args, **kwargs)
+        else:
+            from triton.runtime.errors import OutOfResources
+            cfg = self.cfg
+            while True:
+                grid = self.grid_of(cfg)
+                kwargs = dict(self.kwargs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                try:
+                    compiled = self.kernel[grid](*args, **kwargs)
+                    break
+                except OutOfResources:
+                    smaller = _shrunk(cfg, self.m_multiple_of_n)
+                    if smaller is None:
+                        raise
+                    cfg = smaller
+            self.cfg = _working_configs[self.cfg_key] = cfg
+        if stream is not None and self.fast is None:
+            self.fast = _fast_launch(self.kernel, compiled, self.args, kwargs, grid)
+
+
+def _fast_launch(kernel, compiled, args: list, kwargs: dict, grid):
+    """What `_Launch` keeps to launch `compiled` again without Triton's binding, or None where
+    that cannot be done faithfully: the kernel's parameters in order (the positional arguments,
+    then the keyword ones by name, compile-time ones included: Triton's launcher takes every
+    parameter and skips the compile-time ones), the launcher, the function and its metadata, as
+    triton.runtime.jit.JITFunction.run passes them (Triton 3.6 and later)."""
+    names = getattr(kernel, "arg_names", None)
+    if (compiled is None or getattr(kernel, "pre_run_hooks", None)
+            or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+            or not isinstance(names, (list, tuple)) or len(names) < len(args)
+            or not all(name in kwargs for name in names[len(args):])):
+        return None
+    Descriptor = gluon_forward.Descriptor
+    template = [None if type(a) in (Slot, Descriptor) else a for a in args]
+    template += [kwargs[name] for name in names[len(args):]]
+    slots = tuple((i, a.index) for i, a in enumerate(args) if type(a) is Slot)
+    descriptors = tuple((i, a.source.index, a) for i, a in enumerate(args)
+                        if type(a) is Descriptor)
+    g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
+    return (compiled.run, compiled.function, compiled.packed_metadata, g0, g1, g2, template,
+            slots, descriptors)
+
+
+class _Emulated:
+    """A program step that calls a module's launch function by name at each call, with the
+    call's tensors (tests put emulations of the Hopper kernels there)."""
+    __slots__ = ("module", "name", "args", "kwargs")
+
+    def __init__(self, module, name: str, args: list, kwargs: dict):
+        self.module, self.name, self.args, self.kwargs = module, name, args, kwargs
+
+    def __call__(self, bufs: list, stream) -> None:
+        getattr(self.module, self.name)(
+            *[bufs[a.index] if type(a) is Slot else a for a in self.args], **self.kwargs)
+
+
+_runtime_knobs = None
+_raw_stream = None
+
+
+def _stream(device: torch.device, knobs: Tuning):
+    """The stream a cached launch goes on, or None where launches must go through Triton's own
+    path: HILBERT_FX_FAST_LAUNCH=0, launch hooks installed (a profiler reads what that path
+    passes them), or a current CUDA device other than the tensors' (Triton launches on the
+    current device, and a kernel's compiled function belongs to the device it was loaded on).
+    CPU tensors: 0 (only launches replaced by stand-ins, scripts/host_profile.py --stub, ever
+    reach a cached launch there; the interpreter returns no compiled kernel)."""
+    global _runtime_knobs, _raw_stream
+    if not knobs.fast_launch:
+        return None
+    if _runtime_knobs is None:
+        import triton
+        knobs_module = getattr(triton, "knobs", None)  # Triton 3.4 on
+        _runtime_knobs = False if knobs_module is None else knobs_module.runtime
+    if _runtime_knobs is False:
+        return None
+    for hook in (_runtime_knobs.launch_enter_hook, _runtime_knobs.launch_exit_hook):
+        if getattr(hook, "calls", hook):  # Triton 3.6's hook chains, or a plain hook (or None)
+            return None
+    if device.type != "cuda":
+        return 0
+    if _raw_stream is None:
+        _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+            lambda index: torch.cuda.current_stream(index).cuda_stream)
+    index = torch.cuda.current_device()
+    if index != device.index:
+        return None
+    return _raw_stream(index)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -228,27 +383,33 @@ def _dropout_args(dropout_p: float, seed, like: torch.Tensor):
 @dataclass(frozen=True)
 class Branch:
     """One plan as the kernels read it: its positions (int32, padded: `_plan_tensors`) and counts
-    on the call's device, and whether rows are reached by arithmetic instead (STRIDED)."""
-    plan: BranchPlan
+    on the call's device, whether rows are reached by arithmetic instead (STRIDED), and the
+    plan's sizes (a program keeps these, not the plan, which its cache holds weakly)."""
     pos: torch.Tensor
     cnt: torch.Tensor
     strided: bool
+    segment_length: int
+    dilation_rate: int
+    set_size: int
+    num_segments: int
 
     def grid(self, tile: int, programs: int) -> tuple[int, int, int]:
         """(tiles of a set, programs per segment, segments), checked against CUDA's limits."""
-        dims = (_cdiv(self.plan.set_size, tile), programs, self.plan.num_segments)
+        dims = (_cdiv(self.set_size, tile), programs, self.num_segments)
         _check_grid(*dims)
         return dims
 
 
 @dataclass(frozen=True)
 class Call:
-    """What every kernel launch of one forward or backward call shares: the inputs, the mask, the
-    dropout, the softmax's scale, the compile-time choices, and the knobs (lowering/tuning.py).
+    """What every kernel launch of one forward or backward configuration shares: the inputs of
+    the call that built it (for their shapes and strides), the mask, the dropout, the softmax's
+    scale, the compile-time choices, and the knobs (lowering/tuning.py).
 
     `operands(branch)` is the run of positional arguments that lowering/triton_kernels.py's
     _fwd_kernel, _bwd_dkdv_kernel and _bwd_dq_kernel all take after their own buffers (that
-    module's docstring lists it); `constexprs()` the compile-time arguments they share."""
+    module's docstring lists it), a call's tensors in it as `Slot`s; `constexprs()` the
+    compile-time arguments they share."""
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -301,15 +462,18 @@ class Call:
 
     def branch(self, plan: BranchPlan) -> Branch:
         pos, cnt, strided = _plan_tensors(plan, self.q.device)
-        return Branch(plan, pos, cnt, strided)
+        return Branch(pos, cnt, strided, plan.segment_length, plan.dilation_rate, plan.set_size,
+                      plan.num_segments)
 
     def operands(self, br: Branch) -> list:
         tensors = [self.q, self.k, self.v] + ([] if self.dout is None else [self.dout])
         strides = [s for t in tensors for s in t.stride()]
-        return [*tensors, br.pos, br.cnt, self.mask, self.seed,
+        slots = [Q, K, V] + ([] if self.dout is None else [DOUT])
+        return [*slots, br.pos, br.cnt, MASK if self.mask_kind else Q,
+                SEED if self.dropout else Q,
                 *strides, *self.mask_strides, *br.pos.stride(), *br.cnt.stride(),
-                self.hq, self.hkv, self.n, self.group, br.plan.segment_length,
-                br.plan.dilation_rate, self.scale * LOG2E, self.scale, self.threshold,
+                self.hq, self.hkv, self.n, self.group, br.segment_length,
+                br.dilation_rate, self.scale * LOG2E, self.scale, self.threshold,
                 self.drop_scale]
 
     def constexprs(self, br: Branch, **own) -> dict:
@@ -317,6 +481,14 @@ class Call:
                     BLOCK_DV=_block_d(self.dv), STRIDED=br.strided, CAUSAL=self.is_causal,
                     MASK_KIND=self.mask_kind, DROPOUT=self.dropout, UPCAST=self.upcast,
                     PRECISION=self.precision, **own)
+
+    def launch(self, kernel, args: list, constexprs: dict, cfg: TileConfig, grid_of,
+               m_multiple_of_n: bool) -> _Launch:
+        """A Triton kernel's launch with tiles `cfg` (or those that ran before, shrunk)."""
+        key = (kernel.__name__, cfg, self.q.device, self.q.dtype,
+               tuple(sorted(constexprs.items())))
+        return _Launch(kernel, args, constexprs, grid_of=grid_of, cfg=cfg,
+                       m_multiple_of_n=m_multiple_of_n, cfg_key=key)
 
 
 def _call(q, k, v, attn_mask, dropout_p, seed, scale, is_causal, dout=None) -> Call:
@@ -330,6 +502,50 @@ def _call(q, k, v, attn_mask, dropout_p, seed, scale, is_causal, dout=None) -> C
     return Call(q, k, v, dout, mask, mask_kind, tuple(mstrides), seed_t, dropout, threshold,
                 drop_scale, float(scale), bool(is_causal), interpreted, upcast,
                 fp32_precision(q.dtype, interpreted, upcast, knobs), knobs)
+
+
+# ----------------------------------------------------------------------------- programs
+
+
+class _Programs:
+    """The programs built so far, by key (`_key`), the oldest dropped past `limit`. A key names its plans by id; an entry holds them weakly and goes when
+    one of them does (so that a later plan at the same address never finds it, and a program
+    keeps no plan alive)."""
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self._entries: dict = {}
+
+    def get(self, key):
+        hit = self._entries.get(key)
+        if hit is None:
+            return None
+        refs, program = hit
+        if any(ref() is None for ref in refs):
+            return None
+        return program
+
+    def put(self, key, plans, program) -> None:
+        entries = self._entries
+
+        def drop(ref, key=key):
+            hit = entries.get(key)
+            if hit is not None and any(r is ref for r in hit[0]):
+                del entries[key]
+
+        entries.pop(key, None)
+        while len(entries) >= self.limit:
+            del entries[next(iter(entries))]
+        entries[key] = (tuple(weakref.ref(p, drop) for p in plans), program)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+_programs = _Programs()
 
 
 # ----------------------------------------------------------------------------- plans
@@ -430,121 +646,279 @@ def deterministic() -> bool:
 # ----------------------------------------------------------------------------- forward
 
 
+def _key(kind: str, q, k, v, plans, is_causal, attn_mask, scale, dropout_p, seed, knobs,
+         *more) -> tuple | None:
+    """A program's key: what its launches depend on besides the data pointers (`_Launch`), i.e.
+    the inputs' shapes, strides, dtypes, devices and 16-byte alignment, the plans (by id, while
+    the program's entry holds them), the mask's layout, the dropout's, the scale, the knobs (by
+    id: tuning() returns one object until reloaded, and the program keeps it), the float32 matmul
+    precision where it matters, the interpreter, and the Hopper path's entry points (tests
+    replace them). None for arguments that are not tensors (`_call` says what is wrong)."""
+    try:
+        mask = None if attn_mask is None else _tensor_key(attn_mask)
+        drop = None if not dropout_p > 0.0 else (
+            float(dropout_p),
+            None if seed is None else (seed.device, seed.dtype, seed.shape, seed.data_ptr() % 16))
+        precision = torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None
+        return (kind, _tensor_key(q), _tensor_key(k), _tensor_key(v), tuple(map(id, plans)),
+                bool(is_causal), float(scale), mask, drop, id(knobs), precision,
+                interpreter_active(), gluon_forward.unsupported, gluon_forward._unsupported,
+                gluon_forward.launch, *more)
+    except (AttributeError, TypeError):
+        return None
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+
+
+def _program(key, plans, build):
+    """The program of `key`, built by build() on its first call. Programs built while a CUDA
+    graph is being captured are not kept: the constant tensors they make (the plans' tensors on
+    the device, rows seen) would be filled by the graph, not now."""
+    program = _programs.get(key) if key is not None else None
+    if program is None:
+        program = build()
+        if key is not None and not (program.device.type == "cuda"
+                                    and torch.cuda.is_current_stream_capturing()):
+            _programs.put(key, plans, program)
+    return program
+
+
+def _call_tensors(bufs: list, b: int, hq: int, n: int, device, attn_mask, dropout_p,
+                  seed) -> None:
+    """A call's mask (broadcast as `_mask_args` does) and dropout seed into their slots."""
+    if attn_mask is not None:
+        m = attn_mask.expand(b, hq, n, n)
+        bufs[MASK.index] = m.view(torch.uint8) if m.dtype == torch.bool else m
+    if dropout_p > 0.0:
+        bufs[SEED.index] = (seed if seed.device == device else seed.to(device)).reshape(())
+
+
+def _gluon_step(module, call: Call, plan: BranchPlan, br: Branch, refs: tuple, **kw):
+    """The Hopper kernel's launch of one branch (gluon_forward or gluon_backward), or, where a
+    test replaced the module's `launch`, a step that calls the replacement."""
+    kw.update(is_causal=call.is_causal, scale=call.scale)
+    if module.launch is not module.GENUINE_LAUNCH:
+        return _Emulated(module, "launch", [*refs, plan, br.pos], kw)
+    if module is gluon_forward:
+        kernel, grid, args, kwargs = module.prepare(call.q, call.k, call.v, plan, br.pos,
+                                                    refs=refs, **kw)
+    else:
+        kernel, grid, args, kwargs = module.prepare(call.q, call.k, call.v, call.dout, plan,
+                                                    br.pos, refs=refs, **kw)
+    return _Launch(kernel, args, kwargs, grid)
+
+
+class _Forward:
+    """`forward` for one configuration (`_key`): its launches, made once."""
+
+    def __init__(self, call: Call, plans):
+        b, hq, n, dv = call.b, call.hq, call.n, call.dv
+        self.knobs = call.knobs  # keeps id(knobs) in the key this program's own
+        self.dtype, self.device = call.q.dtype, call.q.device
+        self.rows, self.out_shape = (b, hq, n), (b, hq, n, dv)
+        self.empty = b * hq * n == 0 or not plans
+        self.steps = []
+        if self.empty:
+            return
+        order, self.covers = _forward_order(plans)
+        self.single = self.covers and len(order) == 1
+        kern = _kernels()
+        cfg = call.tiles("fwd")
+        for i, plan in enumerate(order):
+            first, last = i == 0, self.covers and i == len(order) - 1
+            br = call.branch(plan)
+            if gluon_forward.unsupported(call.q, call.k, call.v, plan, is_causal=call.is_causal,
+                                         mask_kind=call.mask_kind, dropout=call.dropout,
+                                         scale=call.scale) is None:
+                self.steps.append(_gluon_step(gluon_forward, call, plan, br,
+                                              (Q, K, V, OUT, ACC, LSE), first=first, last=last))
+                continue
+            self.steps.append(call.launch(
+                kern._fwd_kernel, [OUT, ACC, LSE, *call.operands(br)],
+                call.constexprs(br, FIRST=first, LAST=last, NONNEG_SCALE=call.scale >= 0), cfg,
+                lambda cfg, br=br: br.grid(cfg.block_m, b * hq), True))
+
+    def __call__(self, q, k, v, attn_mask, dropout_p, seed):
+        device = self.device
+        lse = torch.full(self.rows, NEG_INF, dtype=torch.float32, device=device)
+        if self.empty:
+            return torch.zeros(self.out_shape, dtype=self.dtype, device=device), lse
+        bufs = [None] * NUM_SLOTS
+        bufs[Q.index], bufs[K.index], bufs[V.index] = q, k, v
+        if attn_mask is not None or dropout_p > 0.0:
+            _call_tensors(bufs, *self.rows, device, attn_mask, dropout_p, seed)
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
+        acc = out if self.single else torch.empty(self.out_shape, dtype=torch.float32,
+                                                  device=device)
+        bufs[OUT.index], bufs[ACC.index], bufs[LSE.index] = out, acc, lse
+        stream = _stream(device, self.knobs)
+        for step in self.steps:
+            step(bufs, stream)
+        if not self.covers:  # rows no branch selects: out 0 (acc holds nothing there), lse -inf
+            out = torch.where((lse > NEG_INF).unsqueeze(-1), acc, 0.0).to(self.dtype)
+        return out, lse
+
+
 def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, scale: float,
             dropout_p: float = 0.0, seed=None):
     """Returns (out [B, Hq, N, Dv] in q.dtype, lse [B, Hq, N] float32, -inf for rows with no key)."""
-    call = _call(q, k, v, attn_mask, dropout_p, seed, scale, is_causal)
-    b, hq, n, dv = call.b, call.hq, call.n, call.dv
-    lse = torch.full((b, hq, n), NEG_INF, dtype=torch.float32, device=q.device)
-    if b * hq * n == 0 or not plans:
-        return torch.zeros(b, hq, n, dv, dtype=q.dtype, device=q.device), lse
-    order, covers = _forward_order(plans)
-    out = torch.empty(b, hq, n, dv, dtype=q.dtype, device=q.device)
-    single = covers and len(order) == 1
-    acc = out if single else torch.empty(b, hq, n, dv, dtype=torch.float32, device=q.device)
-    kern = _kernels()
-    cfg = call.tiles("fwd")
-    for i, plan in enumerate(order):
-        first, last = i == 0, covers and i == len(order) - 1
-        br = call.branch(plan)
-        if gluon_forward.unsupported(q, k, v, plan, is_causal=is_causal, mask_kind=call.mask_kind,
-                                     dropout=call.dropout, scale=scale) is None:
-            gluon_forward.launch(q, k, v, out, acc, lse, plan, br.pos, is_causal=is_causal,
-                                 scale=scale, first=first, last=last)
-            continue
-        _launch(kern._fwd_kernel, lambda cfg, br=br: br.grid(cfg.block_m, b * hq), cfg, True,
-                call, [out, acc, lse, *call.operands(br)],
-                call.constexprs(br, FIRST=first, LAST=last, NONNEG_SCALE=scale >= 0))
-    if not covers:  # rows no branch selects: out 0 (acc holds nothing there), lse -inf
-        out = torch.where((lse > NEG_INF).unsqueeze(-1), acc, 0.0).to(q.dtype)
-    return out, lse
+    knobs = tuning()
+    key = _key("fwd", q, k, v, plans, is_causal, attn_mask, scale, dropout_p, seed, knobs)
+    program = _program(key, plans, lambda: _Forward(
+        _call(q, k, v, attn_mask, dropout_p, seed, scale, is_causal), plans))
+    return program(q, k, v, attn_mask, dropout_p, seed)
 
 
 # ----------------------------------------------------------------------------- backward
 
 
+class _Backward:
+    """`backward` for one configuration (`_key`, with dO's, out's and lse's layouts, the
+    deterministic choice and the int32 offset limit): its buffers and launches, made once.
+
+    The order of the forward: a complete branch with r == 1, if any, runs last and writes dq,
+    dk, dv in the inputs' dtype (it has every row); the ones before add up in float32 buffers
+    that are never zeroed (each launch reads only rows an earlier one wrote: _seen_rows). Where
+    dq is summed by atomics (the Hopper kernel's, or the Triton dK/dV kernel's when `atomic`)
+    its float32 buffer is zeroed by the preprocessing launch, which reads every row anyway."""
+
+    def __init__(self, call: Call, plans, out: torch.Tensor):
+        q, k, v = call.q, call.k, call.v
+        b, hq, hkv, n, d, dv = call.b, call.hq, call.hkv, call.n, call.d, call.dv
+        self.knobs = call.knobs
+        self.dtypes, self.device = (q.dtype, k.dtype, v.dtype), q.device
+        self.shapes = (q.shape, k.shape, v.shape)
+        self.empty = b * hq * n == 0 or not plans
+        self.rows = (b, hq, n)
+        self.steps = []
+        if self.empty:
+            return
+        kern = _kernels()
+        det = call.knobs.deterministic()
+        atomic = call.knobs.atomic_dq and not det
+        order, covers = _forward_order(plans)
+        hopper = [gluon_backward.unsupported(q, k, v, plan, is_causal=call.is_causal,
+                                             mask_kind=call.mask_kind, dropout=call.dropout,
+                                             scale=call.scale, deterministic=det) is None
+                  for plan in order]
+        # dq in a zeroed float32 buffer that the Hopper kernel (and the Triton dK/dV kernel when
+        # `atomic`) adds to by atomics, and the Triton dq kernel reads wherever it writes
+        dq_zeroed = atomic or any(hopper)
+        alone = covers and len(order) == 1  # FIRST and LAST: no float32 buffer at all
+        self.covers, self.dq_zeroed, self.alone = covers, dq_zeroed, alone
+        # the gradients in the inputs' dtype, written by the last branch when it covers every
+        # row (dq's not when dq is summed in the zeroed buffer), and the float32 sums of the
+        # branches before it; those not written are empty tensors made once
+        self.final = [((b, hq, n, d), q.dtype, covers and not dq_zeroed),
+                      ((b, hkv, n, d), q.dtype, covers), ((b, hkv, n, dv), q.dtype, covers)]
+        self.unused = torch.empty(0, dtype=q.dtype, device=q.device)
+        self.sums = ((b, hkv, n, d), (b, hkv, n, dv), (b, hq, n, d))
+        nothing = torch.empty(0, dtype=torch.uint8, device=q.device)  # Seen of a FIRST launch
+        # the Seen of a Triton dq kernel adding to the zeroed dq: every row (made only if one
+        # runs)
+        every_q = torch.ones(hq, n, dtype=torch.uint8, device=q.device) \
+            if dq_zeroed and not atomic and not all(hopper) else nothing
+        wide = n * max(_block_d(d), _block_d(dv)) >= INT32_OFFSET_LIMIT
+        pre_m = 16 if call.interpreted else 64
+        self.steps.append(_Launch(
+            kern._bwd_preprocess,
+            [OUT_IN, DOUT, LSE_IN, DELTA, LSE2, DQ, *out.stride(), *call.dout.stride(), hq, n],
+            dict(HEAD_DIM_V=dv, BLOCK_DV=_block_d(dv), BLOCK_M=pre_m, HEAD_DIM=d,
+                 BLOCK_D=_block_d(d), ZERO_DQ=dq_zeroed),
+            (_cdiv(n, pre_m), b * hq)))
+        kv_cfg, q_cfg = call.tiles("dkdv"), call.tiles("dq")
+        group = call.group
+        self.dout_copy = False
+        for i, plan in enumerate(order):
+            br = call.branch(plan)
+            first, last = i == 0, covers and i == len(order) - 1
+            seen_q, seen_kv = _seen_rows(order[:i], hq, hkv, q.device) if i else (nothing,
+                                                                                   nothing)
+            if hopper[i]:
+                copy = gluon_backward.dout_needs_copy(call.dout, plan)
+                self.dout_copy |= copy
+                self.steps.append(_gluon_step(
+                    gluon_backward, call, plan, br,
+                    (Q, K, V, DOUT_G if copy else DOUT, DQ, DK, DV, DK_FINAL, DV_FINAL, seen_kv,
+                     LSE2, DELTA), first=first, last=last))
+                continue
+            classes = min(plan.dilation_rate, group)
+            self.steps.append(call.launch(
+                kern._bwd_dkdv_kernel,
+                [DK, DV, DQ, DK_FINAL, DV_FINAL, seen_kv, LSE2, DELTA, *call.operands(br),
+                 classes],
+                call.constexprs(br, FIRST=first, LAST=last,
+                                ONE_HEAD=group <= plan.dilation_rate, ATOMIC_DQ=atomic,
+                                WIDE=wide),
+                kv_cfg, lambda cfg, br=br, classes=classes: br.grid(cfg.block_n,
+                                                                    b * hkv * classes), False))
+            if atomic:
+                continue
+            self.steps.append(call.launch(
+                kern._bwd_dq_kernel,
+                [DQ, DQ_FINAL, every_q if dq_zeroed else seen_q, LSE2, DELTA,
+                 *call.operands(br)],
+                call.constexprs(br, FIRST=first and not dq_zeroed,
+                                LAST=last and not dq_zeroed, WIDE=wide),
+                q_cfg, lambda cfg, br=br: br.grid(cfg.block_m, b * hq), True))
+        if not covers:  # no branch has every row: rows none wrote are 0
+            seen_q, seen_kv = _seen_rows(order, hq, hkv, q.device)
+            self.written = (seen_q[:, :, None] != 0, seen_kv[:, :, None] != 0)
+
+    def __call__(self, dout, q, k, v, out, lse, attn_mask, dropout_p, seed):
+        if self.empty:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        device = self.device
+        bufs = [None] * NUM_SLOTS
+        bufs[Q.index], bufs[K.index], bufs[V.index], bufs[DOUT.index] = q, k, v, dout
+        bufs[OUT_IN.index] = out
+        bufs[LSE_IN.index] = lse.to(torch.float32).contiguous()
+        if self.dout_copy:
+            bufs[DOUT_G.index] = dout.contiguous()
+        if attn_mask is not None or dropout_p > 0.0:
+            _call_tensors(bufs, *self.rows, device, attn_mask, dropout_p, seed)
+        bufs[DELTA.index] = torch.empty(self.rows, dtype=torch.float32, device=device)
+        bufs[LSE2.index] = torch.empty(self.rows, dtype=torch.float32, device=device)
+        grads = [torch.empty(shape, dtype=dtype, device=device) if used else self.unused
+                 for shape, dtype, used in self.final]
+        bufs[DQ_FINAL.index], bufs[DK_FINAL.index], bufs[DV_FINAL.index] = grads
+        if self.alone:
+            dk, dvb = grads[1:]
+        else:
+            dk, dvb = (torch.empty(shape, dtype=torch.float32, device=device)
+                       for shape in self.sums[:2])
+        if self.dq_zeroed or not self.alone:  # zeroed by the preprocessing launch if dq_zeroed
+            dq = torch.empty(self.sums[2], dtype=torch.float32, device=device)
+        else:
+            dq = grads[0]
+        bufs[DK.index], bufs[DV.index], bufs[DQ.index] = dk, dvb, dq
+        stream = _stream(device, self.knobs)
+        for step in self.steps:
+            step(bufs, stream)
+        if not self.dq_zeroed and self.covers:
+            return tuple(grads)
+        if self.covers:
+            return dq.to(self.dtypes[0]), grads[1], grads[2]
+        keep_q, keep_kv = self.written
+        dq = dq if self.dq_zeroed else torch.where(keep_q, dq, 0.0)
+        return (dq.to(self.dtypes[0]), torch.where(keep_kv, dk, 0.0).to(self.dtypes[1]),
+                torch.where(keep_kv, dvb, 0.0).to(self.dtypes[2]))
+
+
 def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: bool, attn_mask,
              scale: float, dropout_p: float = 0.0, seed=None):
     """Returns (dq, dk, dv) in the inputs' dtypes, given the op's final out and lse."""
-    call = _call(q, k, v, attn_mask, dropout_p, seed, scale, is_causal, dout=dout)
-    b, hq, hkv, n, d, dv = call.b, call.hq, call.hkv, call.n, call.d, call.dv
-    if b * hq * n == 0 or not plans:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    kern = _kernels()
+    knobs = tuning()
+    try:
+        more = (_tensor_key(dout), _tensor_key(out), _tensor_key(lse), knobs.deterministic(),
+                INT32_OFFSET_LIMIT, gluon_backward.unsupported, gluon_backward.launch)
+    except (AttributeError, TypeError):
+        more = None
+    key = None if more is None else _key("bwd", q, k, v, plans, is_causal, attn_mask, scale,
+                                         dropout_p, seed, knobs, *more)
 
-    lse = lse.to(torch.float32).contiguous()
-    delta = torch.empty(b, hq, n, dtype=torch.float32, device=q.device)
-    lse2 = torch.empty_like(delta)
-    pre_m = 16 if call.interpreted else 64
-    kern._bwd_preprocess[(_cdiv(n, pre_m), b * hq)](
-        out, dout, lse, delta, lse2, *out.stride(), *dout.stride(), hq, n,
-        HEAD_DIM_V=dv, BLOCK_DV=_block_d(dv), BLOCK_M=pre_m)
-
-    # The order of the forward: a complete branch with r == 1, if any, runs last and writes dq,
-    # dk, dv in the inputs' dtype (it has every row); the ones before add up in float32 buffers
-    # that are never zeroed (each launch reads only rows an earlier one wrote: _seen_rows).
-    order, covers = _forward_order(plans)
-    det = call.knobs.deterministic()
-    atomic = call.knobs.atomic_dq and not det
-    hopper = [gluon_backward.unsupported(q, k, v, plan, is_causal=is_causal,
-                                         mask_kind=call.mask_kind, dropout=call.dropout,
-                                         scale=scale, deterministic=det) is None
-              for plan in order]
-    # dq in a zeroed float32 buffer that the Hopper kernel (and the Triton dK/dV kernel when
-    # `atomic`) adds to by atomics, and the Triton dq kernel reads wherever it writes
-    dq_zeroed = atomic or any(hopper)
-    alone = covers and len(order) == 1  # FIRST and LAST: no float32 buffer at all
-
-    def new(h, dim, dtype=torch.float32, used=True):
-        return torch.empty((b, h, n, dim) if used else (0,), dtype=dtype, device=q.device)
-
-    # the gradients in the inputs' dtype, written by the last branch when it covers every row
-    # (dq's not when dq is summed in the zeroed buffer), and the float32 sums of the branches
-    # before it
-    grads = [new(hq, d, q.dtype, covers and not dq_zeroed), new(hkv, d, q.dtype, covers),
-             new(hkv, dv, q.dtype, covers)]
-    dk, dvb = grads[1:] if alone else (new(hkv, d), new(hkv, dv))
-    if dq_zeroed:
-        dq = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
-    else:
-        dq = grads[0] if alone else new(hq, d)
-    nothing = torch.empty(0, dtype=torch.uint8, device=q.device)  # Seen of a FIRST launch
-    # the Seen of a Triton dq kernel adding to the zeroed dq: every row (made only if one runs)
-    every_q = torch.ones(hq, n, dtype=torch.uint8, device=q.device) \
-        if dq_zeroed and not atomic and not all(hopper) else nothing
-    wide = n * max(_block_d(d), _block_d(dv)) >= INT32_OFFSET_LIMIT
-    kv_cfg, q_cfg = call.tiles("dkdv"), call.tiles("dq")
-    group = call.group
-    for i, plan in enumerate(order):
-        br = call.branch(plan)
-        first, last = i == 0, covers and i == len(order) - 1
-        seen_q, seen_kv = _seen_rows(order[:i], hq, hkv, q.device) if i else (nothing, nothing)
-        if hopper[i]:
-            gluon_backward.launch(q, k, v, dout, dq, dk, dvb, grads[1], grads[2], seen_kv, lse2,
-                                  delta, plan, br.pos, is_causal=is_causal, scale=scale,
-                                  first=first, last=last)
-            continue
-        classes = min(plan.dilation_rate, group)
-        _launch(kern._bwd_dkdv_kernel,
-                lambda cfg, br=br, classes=classes: br.grid(cfg.block_n, b * hkv * classes),
-                kv_cfg, False, call,
-                [dk, dvb, dq, grads[1], grads[2], seen_kv, lse2, delta, *call.operands(br),
-                 classes],
-                call.constexprs(br, FIRST=first, LAST=last, ONE_HEAD=group <= plan.dilation_rate,
-                                ATOMIC_DQ=atomic, WIDE=wide))
-        if atomic:
-            continue
-        _launch(kern._bwd_dq_kernel, lambda cfg, br=br: br.grid(cfg.block_m, b * hq), q_cfg,
-                True, call,
-                [dq, grads[0], every_q if dq_zeroed else seen_q, lse2, delta, *call.operands(br)],
-                call.constexprs(br, FIRST=first and not dq_zeroed, LAST=last and not dq_zeroed,
-                                WIDE=wide))
-    if not dq_zeroed and covers:
-        return tuple(grads)
-    if covers:
-        return dq.to(q.dtype), grads[1], grads[2]
-    # no branch has every row: rows none wrote are 0
-    seen_q, seen_kv = _seen_rows(order, hq, hkv, q.device)
-    dq = dq if dq_zeroed else torch.where(seen_q[:, :, None] != 0, dq, 0.0)
-    return (dq.to(q.dtype), torch.where(seen_kv[:, :, None] != 0, dk, 0.0).to(k.dtype),
-            torch.where(seen_kv[:, :, None] != 0, dvb, 0.0).to(v.dtype))
+    program = _program(key, plans, lambda: _Backward(
+        _call(q, k, v, attn_mask, dropout_p, seed, scale, is_causal, dout=dout), plans, out))
+    return program(dout, q, k, v, out, lse, attn_mask, dropout_p, seed)

@@ -21,6 +21,10 @@ The environment variables, all optional:
   change at any time).
 - HILBERT_FX_GLUON=0: the Hopper (Gluon) kernels off; HILBERT_FX_GLUON_RUNS=0: their TMA copies
   of stride-r runs off (lowering/gluon_forward.py).
+- HILBERT_FX_FAST_LAUNCH=0: every launch goes through Triton's own launch path (binding and
+  specialising its arguments, building the Hopper kernels' TMA descriptors) instead of reusing
+  what the first call of a configuration bound (lowering/triton_lowering.py, "Launches"); for
+  comparing the two, and a way out should a Triton release change what that reuse relies on.
 
 The tile tables live here too, with why each entry is what it is.
 """
@@ -79,6 +83,7 @@ class Tuning:
     deterministic_env: bool = False  # HILBERT_FX_DETERMINISTIC
     gluon: bool = True  # HILBERT_FX_GLUON
     gluon_runs: bool = True  # HILBERT_FX_GLUON_RUNS
+    fast_launch: bool = True  # HILBERT_FX_FAST_LAUNCH
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Tuning":
@@ -96,7 +101,8 @@ class Tuning:
             atomic_dq=_flag(env, "HILBERT_FX_TRITON_ATOMIC_DQ", False),
             deterministic_env=_flag(env, "HILBERT_FX_DETERMINISTIC", False),
             gluon=_flag(env, "HILBERT_FX_GLUON", True),
-            gluon_runs=_flag(env, "HILBERT_FX_GLUON_RUNS", True))
+            gluon_runs=_flag(env, "HILBERT_FX_GLUON_RUNS", True),
+            fast_launch=_flag(env, "HILBERT_FX_FAST_LAUNCH", True))
 
     def deterministic(self) -> bool:
         """Whether the backward must be bitwise repeatable: HILBERT_FX_DETERMINISTIC or torch's

@@ -1,0 +1,460 @@
+"""Host (CPU) time to issue one call of the op, forward and forward+backward: is the host setting
+the pace?
+
+    PYTHONPATH=. python scripts/host_profile.py [--n 4096 8192 16384] [--iters 100] [--profile]
+
+On one GPU: bf16, B = 1, H = 16, D = 128, causal, branches (2048, 1), (4096, 2), (8192, 4),
+(16384, 8), in the Hilbert and the identity order. For each N and order, the CPU time of one
+call (median over --iters calls, each issued on an idle GPU after a synchronisation, none
+waited for) of
+  - op:       hilbert_fx.dilated_attention (torch.ops.hilbert_fx.dilated_attention and its
+              autograd), forward without grad, and forward + out.backward(dO);
+  - lowering: lowering/triton_lowering.forward and .backward, called directly;
+  - the same two with HILBERT_FX_FAST_LAUNCH=0 ("slow": every launch through Triton's own
+    path, as before launches were cached), and SDPA (causal, the whole sequence) for scale;
+beside the GPU time of a forward+backward (CUDA events over --iters back-to-back calls): where
+the CPU column exceeds the GPU column, the host sets the pace.
+
+Before any timing, a check: the cached launches compute what Triton's own path computes, on
+inputs at other addresses than the first call's (forward bitwise; gradients to rounding, as
+the Hopper backward adds dq by atomics). A line per case says "ok" or what differs.
+
+--profile: for N = 8192 in the Hilbert order, cProfile of 50 forward+backward calls of the op
+(the top host functions by cumulative and by own time), and the kernels one call launches
+(torch.profiler).
+
+--stub: on the CPU (run with TRITON_INTERPRET=1), every kernel launch replaced by a stand-in
+that binds its arguments as Triton's launch path would (Triton's own binder for the sm_90
+backend, and its cache key) and launches nothing, and the lowering's allocations by tensors
+made once, so that what remains is the Python of the launch path: the cost this script
+measures on the GPU, less the C launcher and the allocator. --stub-hopper also sends the
+branches the Hopper kernels would take (whole sets) through their host code (descriptors
+included), with this machine's Triton building the descriptors. --base DIR:PACKAGE measures
+another copy of lowering/ (e.g. `git archive HEAD lowering | tar -x -C /tmp/base` then
+mv /tmp/base/lowering /tmp/base/lowering_base; --base /tmp/base:lowering_base) for before/after;
+on the GPU too (the lowering's rows only: the registered op runs this tree's lowering).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import importlib
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+import types
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SEGS, RATES = [2048, 4096, 8192, 16384], [1, 2, 4, 8]
+H, D = 16, 128
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def cpu_us(fn, iters: int, device, before=None) -> float:
+    """Median CPU time of one call of fn (us), each issued after a synchronisation."""
+    times = []
+    for _ in range(iters):
+        if before is not None:
+            before()
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    _sync(device)
+    return statistics.median(times) * 1e6
+
+
+def gpu_us(fn, iters: int, before=None) -> float:
+    """GPU time of one call (us): CUDA events around iters calls issued back to back."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        if before is not None:
+            before()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+class Case:
+    """One configuration's inputs and the calls to time."""
+
+    def __init__(self, lowering_mod, n: int, hilbert: bool, device, dtype=torch.bfloat16):
+        from hilbert_fx.lowering.plans import branch_plans
+        self.lw, self.n, self.hilbert, self.device = lowering_mod, n, hilbert, device
+        g = torch.Generator(device="cpu").manual_seed(n + hilbert)
+        self.inputs = [torch.randn(1, H, n, D, generator=g).to(device, dtype) for _ in range(4)]
+        self.plans = branch_plans(n, SEGS, RATES, hilbert, device)
+        self.kw = dict(is_causal=True, attn_mask=None, scale=D ** -0.5)
+        q, k, v, dout = self.inputs
+        self.out, self.lse = self.lw.forward(q, k, v, self.plans, **self.kw)
+        self.leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
+    def fwd(self):
+        q, k, v, _ = self.inputs
+        return self.lw.forward(q, k, v, self.plans, **self.kw)
+
+    def bwd(self):
+        q, k, v, dout = self.inputs
+        return self.lw.backward(dout, q, k, v, self.out, self.lse, self.plans, **self.kw)
+
+    def fwd_bwd(self):
+        self.fwd()
+        self.bwd()
+
+    def op_fwd(self):
+        from hilbert_fx.lowering import dilated_attention
+        q, k, v, _ = self.inputs
+        with torch.no_grad():
+            return dilated_attention(q, k, v, SEGS, RATES, hilbert=self.hilbert, is_causal=True,
+                                     lowering="triton")
+
+    def op_fwd_bwd(self):
+        from hilbert_fx.lowering import dilated_attention
+        q, k, v = self.leaves
+        out = dilated_attention(q, k, v, SEGS, RATES, hilbert=self.hilbert, is_causal=True,
+                                lowering="triton")
+        if self.device.type == "cuda":
+            out.backward(self.inputs[3])
+        else:  # --stub: the gradients are reused tensors, which .grad would copy
+            torch.autograd.grad(out, self.leaves, self.inputs[3])
+
+    def clear_grads(self):
+        for t in self.leaves:
+            t.grad = None
+
+    def sdpa_fwd(self):
+        q, k, v, _ = self.inputs
+        with torch.no_grad():
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def sdpa_fwd_bwd(self):
+        q, k, v = self.leaves
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(
+            self.inputs[3])
+
+
+class _Knobs:
+    """HILBERT_FX_FAST_LAUNCH off (or on) for the duration of a with-block; one Tuning object per
+    setting, so that the lowering's programs (keyed by the knobs' identity) are built once."""
+    made: dict = {}
+
+    def __init__(self, tuning_mod, fast: bool):
+        self.tuning, self.fast = tuning_mod, fast
+
+    def __enter__(self):
+        self.saved = self.tuning.tuning()
+        key = (id(self.saved), self.fast)
+        if key not in self.made:
+            self.made[key] = (self.saved, dataclasses.replace(self.saved, fast_launch=self.fast))
+        self.tuning._current = self.made[key][1]
+
+    def __exit__(self, *exc):
+        self.tuning._current = self.saved
+
+
+def has_fast_launch(tuning_mod) -> bool:
+    return "fast_launch" in {f.name for f in dataclasses.fields(tuning_mod.Tuning)}
+
+
+def check(case: Case, tuning_mod) -> str:
+    """'ok', or what differs between cached launches and Triton's own path, on inputs at new
+    addresses."""
+    case.fwd(), case.bwd()  # the programs are built and their launches cached
+    fresh = [torch.randn_like(t) for t in case.inputs]
+    q, k, v, dout = fresh
+    lw, plans, kw = case.lw, case.plans, case.kw
+    out_f, lse_f = lw.forward(q, k, v, plans, **kw)
+    grads_f = lw.backward(dout, q, k, v, out_f, lse_f, plans, **kw)
+    with _Knobs(tuning_mod, fast=False):
+        out_s, lse_s = lw.forward(q, k, v, plans, **kw)
+        grads_s = lw.backward(dout, q, k, v, out_s, lse_s, plans, **kw)
+    problems = []
+    if not torch.equal(out_f, out_s):
+        problems.append(f"out differs (max {(out_f.float() - out_s.float()).abs().max():.3g})")
+    if not torch.equal(lse_f, lse_s):
+        problems.append("lse differs")
+    for name, a, b in zip(("dq", "dk", "dv"), grads_f, grads_s):
+        err = (a.float() - b.float()).abs().max().item()
+        size = b.float().abs().max().item()
+        if not err <= 2e-2 * max(size, 1e-6):
+            problems.append(f"{name} differs ({err:.3g} against max |{name}| {size:.3g})")
+    return "ok" if not problems else "; ".join(problems)
+
+
+def table(args, lw, tuning_mod, device):
+    knob = has_fast_launch(tuning_mod)  # a copy of lowering/ from before cached launches: none
+    op = not args.base  # the registered op runs this tree's lowering
+    rows = []
+    for n in args.n:
+        for hilbert in (True, False):
+            case = Case(lw, n, hilbert, device)
+            order = "hilbert" if hilbert else "identity"
+            if knob and not args.stub:
+                verdict = check(case, tuning_mod)
+                print(f"check N={n} {order}: cached launches against Triton's own path: "
+                      f"{verdict}", flush=True)
+            it = args.iters
+            row = dict(N=n, order=order)
+            if op:
+                row["op fwd"] = cpu_us(case.op_fwd, it, device)
+                row["op fwd+bwd"] = cpu_us(case.op_fwd_bwd, it, device, case.clear_grads)
+            row["lowering fwd"] = cpu_us(case.fwd, it, device)
+            row["lowering fwd+bwd"] = cpu_us(case.fwd_bwd, it, device)
+            if knob:
+                with _Knobs(tuning_mod, fast=False):
+                    if op:
+                        row["slow op fwd"] = cpu_us(case.op_fwd, it, device)
+                        row["slow op fwd+bwd"] = cpu_us(case.op_fwd_bwd, it, device,
+                                                        case.clear_grads)
+                    row["slow lowering fwd"] = cpu_us(case.fwd, it, device)
+                    row["slow lowering fwd+bwd"] = cpu_us(case.fwd_bwd, it, device)
+            if device.type == "cuda":
+                row["GPU fwd+bwd"] = gpu_us(case.op_fwd_bwd if op else case.fwd_bwd, it,
+                                            case.clear_grads)
+                if hilbert:
+                    row["sdpa fwd"] = cpu_us(case.sdpa_fwd, it, device)
+                    row["sdpa fwd+bwd"] = cpu_us(case.sdpa_fwd_bwd, it, device,
+                                                 case.clear_grads)
+            rows.append(row)
+            del case
+    cols = []
+    for r in rows:
+        cols += [c for c in r if c not in cols]
+    print()
+    print("CPU time per call (us, median)" + ("" if args.stub else "; GPU fwd+bwd: GPU time"))
+    print(" | ".join(f"{c:>10}" for c in cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:>10.0f}" if isinstance(r.get(c), float)
+                         else f"{str(r.get(c, '')):>10}" for c in cols))
+    return rows
+
+
+def profile(args, lw, device):
+    case = Case(lw, 8192, True, device)
+    step = case.fwd_bwd if args.stub or args.base else case.op_fwd_bwd
+    for _ in range(5):
+        case.clear_grads()
+        step()
+    _sync(device)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(50):
+        case.clear_grads()
+        step()
+    pr.disable()
+    _sync(device)
+    for key in ("cumulative", "tottime"):
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats(key).print_stats(30)
+        print(f"\n---- cProfile of 50 forward+backward calls at N = 8192, by {key}")
+        print(s.getvalue())
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                case.clear_grads()
+                step()
+            torch.cuda.synchronize()
+        counts = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                counts[ev.name[:80]] = counts.get(ev.name[:80], 0) + 1
+        print(f"\n---- kernels of one forward+backward ({sum(counts.values()) / 5:.0f} in all)")
+        for name, c in sorted(counts.items(), key=lambda kv: -kv[1]):
+            print(f"{c / 5:5.1f}  {name}")
+
+
+# ----------------------------------------------------------------------------- --stub
+
+
+class _StandInCompiled:
+    """What a launch returns in place of a compiled kernel: run() counts launches."""
+    launches = 0
+
+    def __init__(self):
+        self.function, self.packed_metadata = 0, (4, 1, 0)
+
+    @staticmethod
+    def run(*args):
+        _StandInCompiled.launches += 1
+
+
+class _StandInKernel:
+    """A kernel whose launch binds its arguments as Triton's launch path does (binder and cache
+    key, for the sm_90 backend), then launches nothing."""
+
+    def __init__(self, fn, name: str):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+        python_fn = fn
+        while hasattr(python_fn, "fn"):
+            python_fn = python_fn.fn
+        jit = JITFunction(python_fn)
+        self.__name__ = name
+        self.arg_names = jit.arg_names
+        self.pre_run_hooks = []
+        self._binder = create_function_from_signature(
+            jit.signature, jit.params, make_backend(GPUTarget("cuda", 90, 32)))
+        self._key_cache = {}
+
+    def __getitem__(self, grid):
+        from triton.runtime.jit import compute_cache_key
+
+        def launch(*args, **kwargs):
+            kwargs.update(debug=False, instrumentation_mode="")
+            bound, specialization, options = self._binder(*args, **kwargs)
+            compute_cache_key(self._key_cache, specialization, options)
+            _StandInCompiled.launches += 1
+            return _StandInCompiled()
+        return launch
+
+
+class _Allocations:
+    """torch, with empty/full/zeros/ones answered by tensors made once per (shape, dtype, device),
+    16 of each in turn (so that no op call returns one of its inputs): the CPU's allocator is not
+    the GPU's caching allocator."""
+
+    def __init__(self):
+        self._made, self.count = {}, 0
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def _get(self, kind, shape, kwargs, make):
+        self.count += 1
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list,
+                                                                              torch.Size)) \
+            else tuple(shape)
+        key = (kind, shape, kwargs.get("dtype"), str(kwargs.get("device")),
+               kwargs.get("fill_value"))
+        ring = self._made.get(key)
+        if ring is None:
+            ring = self._made[key] = [[make() for _ in range(16)], 0]
+        ring[1] = (ring[1] + 1) % 16
+        return ring[0][ring[1]]
+
+    def empty(self, *shape, **kw):
+        return self._get("empty", shape, kw, lambda: torch.empty(*shape, **kw))
+
+    def zeros(self, *shape, **kw):
+        return self._get("zeros", shape, kw, lambda: torch.zeros(*shape, **kw))
+
+    def ones(self, *shape, **kw):
+        return self._get("ones", shape, kw, lambda: torch.ones(*shape, **kw))
+
+    def full(self, shape, value, **kw):
+        return self._get("full", (tuple(shape),), dict(kw, fill_value=value),
+                         lambda: torch.full(shape, value, **kw))
+
+
+def stub(lw, hopper: bool):
+    """Replaces the launches of lowering module `lw` (and its Hopper modules) by stand-ins."""
+    real = lw._kernels()
+    names = [n for n in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_preprocess")]
+    kernels = types.SimpleNamespace(**{n: _StandInKernel(getattr(real, n), n) for n in names})
+    lw._kernels = lambda: kernels
+    lw.torch = allocations = _Allocations()
+    package = lw.__name__.rsplit(".", 1)[0]
+    gf = importlib.import_module(package + ".gluon_forward")
+    gb = importlib.import_module(package + ".gluon_backward")
+    if hopper:
+        def unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale):
+            if mask_kind or dropout or (plan.segment_length // plan.dilation_rate) % 128 \
+                    or not gf._whole_sets(plan):
+                return "stub: Triton kernels"
+            return None
+        gf._unsupported = unsupported
+        try:
+            gluon_fwd = importlib.import_module(package + ".gluon_kernels")._fwd_kernel
+            gluon_bwd = importlib.import_module(package + ".gluon_backward_kernels")._bwd_kernel
+            fwd_k, bwd_k = _StandInKernel(gluon_fwd, "_fwd_kernel"), \
+                _StandInKernel(gluon_bwd, "_bwd_kernel")
+        except Exception as e:  # noqa: BLE001 - this Triton's Gluon may lack 3.6's names
+            print(f"(Hopper kernels' binder not emulated: {type(e).__name__}: {e})")
+            fwd_k = _NoBinder("_fwd_kernel")
+            bwd_k = _NoBinder("_bwd_kernel")
+        gf._load = lambda: types.SimpleNamespace(_fwd_kernel=fwd_k)
+        gb._load = lambda: types.SimpleNamespace(_bwd_kernel=bwd_k)
+    return allocations
+
+
+class _NoBinder:
+    def __init__(self, name):
+        self.__name__, self.arg_names, self.pre_run_hooks = name, None, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            _StandInCompiled.launches += 1
+            return _StandInCompiled()
+        return launch
+
+
+def stub_counts(lw, allocations, n: int = 8192):
+    """Launches and allocations per call of the lowering's forward and backward."""
+    case = Case(lw, n, True, torch.device("cpu"))
+    for name, fn in (("forward", case.fwd), ("backward", case.bwd)):
+        fn(), fn()
+        _StandInCompiled.launches, allocations.count = 0, 0
+        fn()
+        print(f"{name} at N = {n}: {_StandInCompiled.launches} kernel launches, "
+              f"{allocations.count} allocations")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--stub", action="store_true")
+    ap.add_argument("--stub-hopper", action="store_true")
+    ap.add_argument("--base", default=None, help="DIR:PACKAGE, another copy of lowering/ (--stub)")
+    args = ap.parse_args()
+    args.stub = args.stub or args.stub_hopper
+    if args.base:  # its modules without its package's __init__, which would register the op again
+        where, package = args.base.split(":")
+        module = types.ModuleType(package)
+        module.__path__ = [os.path.join(where, package)]
+        sys.modules[package] = module
+    else:
+        package = "hilbert_fx.lowering"
+    lw = importlib.import_module(package + ".triton_lowering")
+    tuning_mod = importlib.import_module(package + ".tuning")
+    if args.stub:
+        device = torch.device("cpu")
+        allocations = stub(lw, args.stub_hopper)
+        stub_counts(lw, allocations)
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("no GPU: use --stub (with TRITON_INTERPRET=1) to measure on the CPU")
+        device = torch.device("cuda")
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+              f"triton {importlib.import_module('triton').__version__}")
+    table(args, lw, tuning_mod, device)
+    if args.profile:
+        profile(args, lw, device)
+    if not args.stub:
+        from hilbert_fx.lowering import gluon_forward
+        print("\nkernels that ran:", *gluon_forward.kernel_choices(), sep="\n  ")
+
+
+if __name__ == "__main__":
+    main()
