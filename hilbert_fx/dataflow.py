@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from . import constants
 from .fx_vocab import ATTENTION_TARGETS, PRODUCTS, example, is_parameter, op_name
-from .triangles import Triangles
+from .triangles import Triangles, names_nodes
 
 
 def activation_sources(graph: fx.Graph) -> dict[fx.Node, frozenset]:
@@ -150,10 +150,13 @@ class DataFlow:
 
     # -- causal triangles for every size ------------------------------------------------------
     def triangle(self, node):
-        """The abstract value (Tri, Sel, ...) of a size-only mask node, or None."""
+        """The abstract value (Tri, Sel, ...) of a mask node, or None. A value read in the
+        caller that names the caller's nodes (a per-token tensor) is None here: this graph
+        cannot use those nodes."""
         if node in self.outer:
             flow, outer_node = self.outer[node]
-            return flow.triangle(outer_node)
+            value = flow.triangle(outer_node)
+            return None if names_nodes(value) else value
         if self._triangles is None:
             self._triangles = Triangles(self)
         return self._triangles(node)

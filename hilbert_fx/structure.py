@@ -302,9 +302,13 @@ def read_site(flow, q, k, v, attn_mask, is_causal: bool, site: fx.Node, atoms=No
     if atoms is None:
         what = ("the mask is not one the pass reads as a sequence structure (causal, packed "
                 "documents, padding, a cache)")
-        if isinstance(attn_mask, fx.Node) and attn_mask.op == "placeholder":
-            what = ("the mask is an input of the compiled graph, built outside it (as generate() "
-                    "builds a static cache's mask), so the pass cannot read what it allows")
+        if isinstance(attn_mask, fx.Node) and attn_mask in flow.outer:
+            what = ("the mask is built outside this region (a checkpointed body) from tensors the "
+                    "region does not receive, so the pass passes it as it is")
+        elif isinstance(attn_mask, fx.Node) and attn_mask.op == "placeholder":
+            what = ("the mask is an input of the compiled graph, built outside it (in an earlier "
+                    "graph, across a graph break, or by generate() for a static cache), so the "
+                    "pass cannot read what it allows")
         if shorter and cache is not None:
             return None, f"q and k have different lengths (q has {nq} positions, k has {nk}): {what}"
         return None, what

@@ -134,14 +134,14 @@ def _deps(value) -> set:
     return set()
 
 
-def _names_nodes(value) -> bool:
+def names_nodes(value) -> bool:
     """Does the value name nodes of its graph (which a subgraph cannot use)?"""
     if isinstance(value, (Tok, At, Rel)):
         return True
     if isinstance(value, Conj):
-        return any(_names_nodes(a) for a in value.atoms)
+        return any(names_nodes(a) for a in value.atoms)
     if isinstance(value, Sel):
-        return _names_nodes(value.tri)
+        return names_nodes(value.tri)
     if isinstance(value, (Pos, Tri)):
         off = value.off if isinstance(value, Pos) else value.k
         return not isinstance(off, int)
@@ -173,8 +173,7 @@ class Triangles:
         if node in self.seeds:
             return self.seeds[node]
         if node in self.flow.outer:
-            value = self.flow.triangle(node)
-            return None if _names_nodes(value) else value  # those nodes are the caller's
+            return self.flow.triangle(node)
         if node not in self.memo:
             self.memo[node] = None  # cycles cannot occur, but depth can: bound it by memo
             try:
