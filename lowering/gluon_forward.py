@@ -101,12 +101,21 @@ class Descriptor:
     first element, and a launch reads of the base only its data pointer (Triton 3.6's
     make_tensordesc_arg). lowering/triton_lowering.py uses `rebase` only for launches that skip
     Triton's argument binding, whose configuration (hence shape, strides, box) is the first
-    launch's; the first descriptor's base is not kept (it would keep that call's tensor alive)."""
-    __slots__ = ("source", "r", "box", "_fields")
+    launch's; the first descriptor's base is not kept (it would keep that call's tensor alive).
+
+    `expanded(x)`: what Triton's launcher passes the kernel for the descriptor of x (the encoded
+    CUtensorMap, shape and strides: `expand`, set by the lowering from Triton's own function),
+    kept by data pointer, the only input that changes between launches of one configuration:
+    the caching allocator hands the same addresses back step after step, and a tensor map made
+    for an address stays valid for any tensor of this geometry there."""
+    __slots__ = ("source", "r", "box", "_fields", "expand", "_expanded")
+
+    MAPS = 256  # addresses kept per descriptor (a model's layers each bring theirs)
 
     def __init__(self, source, r: int, box: list[int]):
         self.source, self.r, self.box = source, r, box
-        self._fields = None
+        self._fields = self.expand = None
+        self._expanded: dict = {}
 
     def make(self, x: torch.Tensor):
         desc, _ = _descriptor(x, self.r, self.box)
@@ -119,6 +128,15 @@ class Descriptor:
         desc.__dict__.update(self._fields)
         desc.base = x
         return desc
+
+    def expanded(self, x: torch.Tensor) -> list:
+        ptr = x.data_ptr()
+        hit = self._expanded.get(ptr)
+        if hit is None:
+            if len(self._expanded) >= self.MAPS:
+                self._expanded.clear()
+            hit = self._expanded[ptr] = self.expand(self.rebase(x))
+        return hit
 
 
 def _descriptor_class():

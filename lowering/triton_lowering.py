@@ -232,15 +232,9 @@ class _Launch:
     def __call__(self, bufs: list, stream) -> None:
         fast = self.fast
         if fast is not None and stream is not None:
-            run, function, metadata, g0, g1, g2, template, slots, descriptors = fast
-            args = template.copy()
-            for i, slot in slots:
-                args[i] = bufs[slot]
-            for i, slot, desc in descriptors:
-                args[i] = desc.rebase(bufs[slot])
-            run(g0, g1, g2, stream, function, metadata, None, None, None, *args)
-            return
-        self._first(bufs, stream)
+            fast(bufs, stream)
+        else:
+            self._first(bufs, stream)
 
     def _first(self, bufs: list, stream) -> None:
         """The launch through Triton's own path (the first, or when a cached one cannot be used:
@@ -269,15 +263,16 @@ class _Launch:
                     cfg = smaller
             self.cfg = _working_configs[self.cfg_key] = cfg
         if stream is not None and self.fast is None:
-            self.fast = _fast_launch(self.kernel, compiled, self.args, kwargs, grid)
+            self.fast = _fast_launch(self.kernel, compiled, self.args, kwargs, grid, bufs)
 
 
-def _fast_launch(kernel, compiled, args: list, kwargs: dict, grid):
-    """What `_Launch` keeps to launch `compiled` again without Triton's binding, or None where
-    that cannot be done faithfully: the kernel's parameters in order (the positional arguments,
-    then the keyword ones by name, compile-time ones included: Triton's launcher takes every
-    parameter and skips the compile-time ones), the launcher, the function and its metadata, as
-    triton.runtime.jit.JITFunction.run passes them (Triton 3.6 and later)."""
+def _fast_launch(kernel, compiled, args: list, kwargs: dict, grid, bufs: list):
+    """A function (bufs, stream) that launches `compiled` again without Triton's binding, or None
+    where that cannot be done faithfully. It passes the launcher what
+    triton.runtime.jit.JITFunction.run does (Triton 3.6 and later): the grid, the stream, the
+    function, its metadata, no launch metadata and no hooks (`_stream` sends launches through
+    Triton while hooks are installed), then every parameter in order: the positional arguments,
+    then the keyword ones by name, compile-time ones included (the launcher skips those)."""
     names = getattr(kernel, "arg_names", None)
     if (compiled is None or getattr(kernel, "pre_run_hooks", None)
             or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
@@ -285,14 +280,101 @@ def _fast_launch(kernel, compiled, args: list, kwargs: dict, grid):
             or not all(name in kwargs for name in names[len(args):])):
         return None
     Descriptor = gluon_forward.Descriptor
-    template = [None if type(a) in (Slot, Descriptor) else a for a in args]
+    # tensors as their addresses: the launcher takes an int as it is, where for a tensor it calls
+    # data_ptr() and asks the driver about the pointer (the tensors stay alive in `args`)
+    template = [None if type(a) in (Slot, Descriptor)
+                else a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
     template += [kwargs[name] for name in names[len(args):]]
     slots = tuple((i, a.index) for i, a in enumerate(args) if type(a) is Slot)
     descriptors = tuple((i, a.source.index, a) for i, a in enumerate(args)
                         if type(a) is Descriptor)
     g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
-    return (compiled.run, compiled.function, compiled.packed_metadata, g0, g1, g2, template,
-            slots, descriptors)
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    if descriptors and TENSOR_MAPS:
+        with_maps = _tensor_map_launch(run, template, slots, descriptors, (g0, g1, g2),
+                                       function, metadata, bufs)
+        if with_maps is not None:
+            return with_maps
+
+    def launch(bufs: list, stream) -> None:
+        a = template.copy()
+        for i, slot in slots:
+            a[i] = bufs[slot].data_ptr()
+        for i, slot, desc in descriptors:
+            a[i] = desc.rebase(bufs[slot])
+        run(g0, g1, g2, stream, function, metadata, None, None, None, *a)
+
+    return launch
+
+
+# Whether launches with TMA descriptors keep their tensor maps by address (`_tensor_map_launch`);
+# scripts/host_profile.py turns it off to tell a fault there from one in the rest
+TENSOR_MAPS = True
+
+# Triton 3.6's C launcher takes, before the kernel's parameters: the grid (3), the stream, the
+# function, cooperative launch, programmatic dependent launch, two scratch buffers, the kernel's
+# metadata, the launch metadata and the two hooks
+_BASE_ARGS = 13
+
+
+def _tensor_map_launch(run, template: list, slots, descriptors, grid, function, metadata,
+                       bufs: list):
+    """For a kernel that takes TMA descriptors: a function (bufs, stream) that calls Triton's C
+    launcher itself, each descriptor's expansion (tensor map, shape, strides) kept by data
+    pointer (gluon_forward.Descriptor.expanded), where Triton 3.6's Python wrapper around that
+    launcher (triton/backends/nvidia/driver.py: wrap_handle_tensordesc) walks every argument
+    and encodes every tensor map again (make_tensordesc_arg) at each launch. None unless `run`
+    is that wrapper as 3.6 builds it (a closure over the launcher, the descriptors' positions and
+    their metadata; the module's make_tensordesc_arg(arg, metadata)) and the kernel needs no
+    scratch memory, which the wrapper's caller would allocate."""
+    import inspect
+    import sys
+    try:
+        closure = inspect.getclosurevars(run.launch).nonlocals
+        driver = sys.modules[type(run).__module__]
+        expand = driver.make_tensordesc_arg
+        usable = (set(closure) == {"launcher", "tensordesc_indices", "tensordesc_meta"}
+                  and getattr(driver, "_BASE_ARGS_FORMAT_LEN", None) == _BASE_ARGS
+                  and list(inspect.signature(expand).parameters) == ["arg", "metadata"]
+                  and not run.global_scratch_size and not run.profile_scratch_size)
+        indices, metas = sorted(closure["tensordesc_indices"]), closure["tensordesc_meta"]
+        usable = usable and indices == [i for i, _, _ in descriptors] \
+            and len(metas) == len(indices) and all(m is not None for m in metas)
+        flags = (run.launch_cooperative_grid, run.launch_pdl)
+    except Exception:  # noqa: BLE001 - any other launcher: Triton's own path
+        return None
+    if not usable:
+        return None
+    raw = closure["launcher"]
+    for (_, _, desc), meta in zip(descriptors, metas):
+        desc.expand = lambda d, meta=meta: expand(d, meta)
+    flat = [*grid, None, function, *flags, None, None, metadata, None, None, None]
+    by_index = {i: (slot, desc) for i, slot, desc in descriptors}
+    slot_at = dict(slots)
+    flat_slots, spans = [], []
+    for i, value in enumerate(template):
+        if i in by_index:
+            slot, desc = by_index[i]
+            expansion = desc.expanded(bufs[slot])
+            spans.append((len(flat), len(flat) + len(expansion), slot, desc))
+            flat.extend(expansion)
+        elif i in slot_at:
+            flat_slots.append((len(flat), slot_at[i]))
+            flat.append(None)
+        else:
+            flat.append(value)
+    flat_slots, spans = tuple(flat_slots), tuple(spans)
+
+    def launch(bufs: list, stream) -> None:
+        a = flat.copy()
+        a[3] = stream
+        for i, slot in flat_slots:
+            a[i] = bufs[slot].data_ptr()
+        for start, stop, slot, desc in spans:
+            a[start:stop] = desc.expanded(bufs[slot])
+        raw(*a)
+
+    return launch
 
 
 class _Emulated:

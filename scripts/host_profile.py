@@ -175,41 +175,75 @@ def has_fast_launch(tuning_mod) -> bool:
 
 def check(case: Case, tuning_mod) -> str:
     """'ok', or what differs between cached launches and Triton's own path, on inputs at new
-    addresses."""
+    addresses, then on new inputs at the addresses just freed (the caching allocator hands them
+    back: kept tensor maps are found again, for other data)."""
     case.fwd(), case.bwd()  # the programs are built and their launches cached
-    fresh = [torch.randn_like(t) for t in case.inputs]
-    q, k, v, dout = fresh
     lw, plans, kw = case.lw, case.plans, case.kw
-    out_f, lse_f = lw.forward(q, k, v, plans, **kw)
-    grads_f = lw.backward(dout, q, k, v, out_f, lse_f, plans, **kw)
-    with _Knobs(tuning_mod, fast=False):
-        out_s, lse_s = lw.forward(q, k, v, plans, **kw)
-        grads_s = lw.backward(dout, q, k, v, out_s, lse_s, plans, **kw)
     problems = []
-    if not torch.equal(out_f, out_s):
-        problems.append(f"out differs (max {(out_f.float() - out_s.float()).abs().max():.3g})")
-    if not torch.equal(lse_f, lse_s):
-        problems.append("lse differs")
-    for name, a, b in zip(("dq", "dk", "dv"), grads_f, grads_s):
-        err = (a.float() - b.float()).abs().max().item()
-        size = b.float().abs().max().item()
-        if not err <= 2e-2 * max(size, 1e-6):
-            problems.append(f"{name} differs ({err:.3g} against max |{name}| {size:.3g})")
+    for _ in range(2):
+        q, k, v, dout = [torch.randn_like(t) for t in case.inputs]
+        out_f, lse_f = lw.forward(q, k, v, plans, **kw)
+        grads_f = lw.backward(dout, q, k, v, out_f, lse_f, plans, **kw)
+        with _Knobs(tuning_mod, fast=False):
+            out_s, lse_s = lw.forward(q, k, v, plans, **kw)
+            grads_s = lw.backward(dout, q, k, v, out_s, lse_s, plans, **kw)
+        if not torch.equal(out_f, out_s):
+            problems.append(f"out differs (max {(out_f.float() - out_s.float()).abs().max():.3g})")
+        if not torch.equal(lse_f, lse_s):
+            problems.append("lse differs")
+        for name, a, b in zip(("dq", "dk", "dv"), grads_f, grads_s):
+            err = (a.float() - b.float()).abs().max().item()
+            size = b.float().abs().max().item()
+            if not err <= 2e-2 * max(size, 1e-6):
+                problems.append(f"{name} differs ({err:.3g} against max |{name}| {size:.3g})")
+        del q, k, v, dout, out_f, lse_f, grads_f, out_s, lse_s, grads_s
     return "ok" if not problems else "; ".join(problems)
+
+
+def checks(args, lw, tuning_mod, device) -> bool:
+    """check() for every N and order; prints a line each, returns whether all are ok."""
+    ok = True
+    for n in args.n:
+        for hilbert in (True, False):
+            verdict = check(Case(lw, n, hilbert, device), tuning_mod)
+            ok = ok and verdict == "ok"
+            print(f"check N={n} {'hilbert' if hilbert else 'identity'}: cached launches against "
+                  f"Triton's own path: {verdict}", flush=True)
+    return ok
+
+
+def checked_launches(args, lw, tuning_mod) -> None:
+    """Runs the checks in a child process (a fault there, such as an illegal address, must not
+    end this one); if they fail with the Hopper kernels' tensor maps kept by address, again
+    without; if that fails too, the rest runs with HILBERT_FX_FAST_LAUNCH=0, and says so."""
+    import subprocess
+    base = [sys.executable, os.path.abspath(__file__), "--check-only", "--n", *map(str, args.n)]
+    for extra, what in (([], "cached launches"),
+                        (["--no-tensor-maps"], "cached launches without kept tensor maps")):
+        done = subprocess.run(base + extra, capture_output=True, text=True, timeout=900)
+        print(done.stdout, end="")
+        if done.returncode == 0:
+            print(f"checks passed: timing {what}\n", flush=True)
+            if extra:
+                lw.TENSOR_MAPS = False
+            return
+        print(f"checks FAILED for {what} (exit {done.returncode}):\n{done.stderr[-3000:]}",
+              flush=True)
+    print("timing with HILBERT_FX_FAST_LAUNCH=0 only\n", flush=True)
+    tuning_mod._current = dataclasses.replace(tuning_mod.tuning(), fast_launch=False)
 
 
 def table(args, lw, tuning_mod, device):
     knob = has_fast_launch(tuning_mod)  # a copy of lowering/ from before cached launches: none
     op = not args.base  # the registered op runs this tree's lowering
+    if knob and device.type == "cuda":
+        checked_launches(args, lw, tuning_mod)
+    knob = knob and tuning_mod.tuning().fast_launch
     rows = []
     for n in args.n:
         for hilbert in (True, False):
             case = Case(lw, n, hilbert, device)
             order = "hilbert" if hilbert else "identity"
-            if knob and not args.stub:
-                verdict = check(case, tuning_mod)
-                print(f"check N={n} {order}: cached launches against Triton's own path: "
-                      f"{verdict}", flush=True)
             it = args.iters
             row = dict(N=n, order=order)
             if op:
@@ -426,8 +460,14 @@ def main():
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--stub", action="store_true")
     ap.add_argument("--stub-hopper", action="store_true")
-    ap.add_argument("--base", default=None, help="DIR:PACKAGE, another copy of lowering/ (--stub)")
+    ap.add_argument("--base", default=None, help="DIR:PACKAGE, another copy of lowering/")
+    ap.add_argument("--check-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-tensor-maps", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.check_only:  # the child process of checked_launches
+        from hilbert_fx.lowering import triton_lowering, tuning
+        triton_lowering.TENSOR_MAPS = not args.no_tensor_maps
+        sys.exit(0 if checks(args, triton_lowering, tuning, torch.device("cuda")) else 1)
     args.stub = args.stub or args.stub_hopper
     if args.base:  # its modules without its package's __init__, which would register the op again
         where, package = args.base.split(":")

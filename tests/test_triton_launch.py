@@ -1,0 +1,296 @@
+"""The Triton lowering's launch path without Python per call (lowering/triton_lowering.py,
+"Launches"): programs built once per configuration, launches that reuse what the first one
+bound, the Hopper kernels' tensor maps kept by address.
+
+No GPU here: kernels are stand-ins that record what they are launched with. A stand-in's first
+launch goes through `kernel[grid](...)` as Triton's JITFunction.run would (arguments bound in
+parameter order, then the compiled kernel's launcher called); the tests check that later
+launches hand the launcher exactly what that path would have, for the tensors of each call.
+scripts/host_profile.py checks the same on a GPU against Triton itself.
+"""
+import gc
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from hilbert_fx.lowering import gluon_forward, triton_lowering, tuning  # noqa: E402
+from hilbert_fx.lowering.plans import branch_plans  # noqa: E402
+from hilbert_fx.lowering.triton_lowering import Q, K, V, OUT, ACC, LSE, NUM_SLOTS  # noqa: E402
+
+# ----------------------------------------------------------------------------- stand-ins
+
+driver = types.ModuleType("stand_in_triton_driver")  # what _tensor_map_launch reads of Triton's
+sys.modules[driver.__name__] = driver
+driver._BASE_ARGS_FORMAT_LEN = 13
+driver.encoded = []
+
+
+def _make_tensordesc_arg(arg, metadata):
+    """A tensor map's stand-in: what it encodes (address, box, metadata), then shape, strides."""
+    driver.encoded.append(arg.base.data_ptr())
+    return [("map", arg.base.data_ptr(), tuple(arg.block_shape), metadata["id"]),
+            *arg.shape, *arg.strides]
+
+
+driver.make_tensordesc_arg = _make_tensordesc_arg
+
+
+class Launcher:
+    """A compiled kernel's launcher, shaped as Triton 3.6's: __call__(grid, stream, function,
+    *rest) passes cooperative/pdl flags and scratch buffers to `launch`, which, for a kernel
+    with descriptors, expands each into its tensor map, shape and strides before the raw C
+    launcher (here a recorder)."""
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
+    __module__ = driver.__name__
+
+    def __init__(self, descriptor_positions, metas, calls, wrapped=True):
+        def launcher(*args):
+            calls.append(list(args))
+        tensordesc_indices, tensordesc_meta = set(descriptor_positions), metas
+
+        def inner(*args):
+            final = list(args[:13])
+            k = 0
+            for i, arg in enumerate(args[13:]):
+                if i in tensordesc_indices:
+                    final.extend(_make_tensordesc_arg(arg, tensordesc_meta[k]))
+                    k += 1
+                else:
+                    final.append(arg)
+            return launcher(*final)
+
+        self.launch = inner if wrapped and descriptor_positions else launcher
+
+    def __call__(self, gx, gy, gz, stream, function, *rest):
+        self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    None, None, *rest)
+
+
+Launcher.__module__ = driver.__name__
+
+
+class Kernel:
+    """A jit function whose first launch binds arguments as JITFunction.run does and launches
+    through its compiled kernel's launcher; `launches` counts every launch."""
+
+    def __init__(self, arg_names, descriptor_positions=(), wrapped=True):
+        self.__name__ = "stand_in"
+        self.arg_names, self.pre_run_hooks = list(arg_names), []
+        self.calls, self.bound = [], 0
+        metas = [{"id": i} for i in range(len(descriptor_positions))]
+        self.compiled = types.SimpleNamespace(
+            run=Launcher(descriptor_positions, metas, self.calls, wrapped), function=1234,
+            packed_metadata=(4, 1, 0))
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.bound += 1
+            params = list(args) + [kwargs[n] for n in self.arg_names[len(args):]]
+            self.compiled.run(*(tuple(grid) + (1, 1))[:3], 0, self.compiled.function,
+                              self.compiled.packed_metadata, None, None, None, *params)
+            return self.compiled
+        return launch
+
+
+def _bufs(n=64, d=64, dtype=torch.bfloat16):
+    bufs = [None] * NUM_SLOTS
+    for slot in (Q, K, V, OUT, ACC):
+        bufs[slot.index] = torch.randn(1, 2, n, d).to(dtype)
+    bufs[LSE.index] = torch.randn(1, 2, n)
+    return bufs
+
+
+def _descriptor_launch(kernel_wrapped=True):
+    """A launch shaped like the Hopper forward's: three descriptors, buffers, scalars, then
+    compile-time arguments by name."""
+    args = [gluon_forward.Descriptor(s, 2, [32, 64]) for s in (Q, K, V)] + [OUT, ACC, LSE, 0.5, 7]
+    names = ["Qx", "Kx", "Vx", "Out", "Acc", "Lse", "scale", "n", "FIRST", "num_warps"]
+    kernel = Kernel(names, descriptor_positions=(0, 1, 2), wrapped=kernel_wrapped)
+    return kernel, triton_lowering._Launch(kernel, args, dict(FIRST=True, num_warps=4), (3, 2, 1))
+
+
+# ----------------------------------------------------------------------------- launches
+
+
+@pytest.mark.parametrize("wrapped", [True, False], ids=["tensor-maps", "plain"])
+def test_cached_launch_passes_what_binding_would(wrapped):
+    """Later launches skip the binding (kernel[grid] runs once) and give the raw launcher what
+    the first launch's path gives it, for each call's tensors: tensors in their slots,
+    descriptors of the call's tensors (tensor maps at their addresses), the same scalars,
+    grid and compile-time arguments."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    kernel, launch = _descriptor_launch(wrapped)
+    reference, _ = _descriptor_launch(wrapped)
+    first = _bufs()
+    launch(first, 0)
+    assert kernel.bound == 1 and launch.fast is not None
+    for bufs in (first, _bufs(), first):
+        launch(bufs, 0)
+        triton_lowering._Launch(reference, launch.args, launch.kwargs, launch.grid)(bufs, 0)
+        got, want = kernel.calls[-1], reference.calls[-1]
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            if isinstance(b, torch.Tensor):  # passed by address, which the launcher accepts
+                assert a == b.data_ptr()
+            elif type(b).__name__ == "TensorDescriptor":  # the plain launcher: rebased
+                assert a.base.data_ptr() == b.base.data_ptr()
+                assert (a.shape, a.strides, a.block_shape, a.layout) == \
+                    (b.shape, b.strides, b.block_shape, b.layout)
+            else:
+                assert a == b
+    assert kernel.bound == 1
+
+
+def test_tensor_maps_encoded_once_per_address():
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    kernel, launch = _descriptor_launch()
+    a, b = _bufs(), _bufs()
+    launch(a, 0)  # through the binding path: three maps
+    driver.encoded.clear()
+    launch(a, 0)
+    launch(b, 0)
+    launch(a, 0)
+    launch(b, 0)
+    assert sorted(driver.encoded) == sorted(b[s.index].data_ptr() for s in (Q, K, V))
+
+
+def test_no_cached_launch_without_a_stream():
+    """A stream of None (launch hooks, another current device, HILBERT_FX_FAST_LAUNCH=0) sends
+    every launch through the binding path; so does the interpreter, which returns no compiled
+    kernel."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    kernel, launch = _descriptor_launch()
+    bufs = _bufs()
+    for _ in range(3):
+        launch(bufs, None)
+    assert kernel.bound == 3 and launch.fast is None
+    assert triton_lowering._fast_launch(kernel, None, launch.args, launch.kwargs, (1,),
+                                        bufs) is None
+
+
+def test_stream_refuses_hooks_and_the_knob():
+    import triton
+    knobs = tuning.tuning()
+    assert triton_lowering._stream(torch.device("cpu"), knobs) == 0
+    off = tuning.Tuning(**{**knobs.__dict__, "fast_launch": False})
+    assert triton_lowering._stream(torch.device("cpu"), off) is None
+    hooks = triton.knobs.runtime.launch_enter_hook  # a chain of hooks (Triton 3.6 on)
+
+    def noop(*args):
+        return None
+    hooks.add(noop)
+    try:
+        assert triton_lowering._stream(torch.device("cpu"), knobs) is None
+    finally:
+        hooks.remove(noop)
+    assert triton_lowering._stream(torch.device("cpu"), knobs) == 0
+
+
+# ----------------------------------------------------------------------------- programs
+
+
+POINTERS = {"Out", "Acc", "Lse", "Q", "K", "V", "DO", "Pos", "Cnt", "Mask", "Seed", "DQ", "DK",
+            "DV", "DQO", "DKO", "DVO", "Seen", "Lse2", "Delta"}
+
+
+class _Recorder:
+    """lowering/triton_kernels.py's kernels, as stand-ins: each records the data pointers of the
+    tensors it is launched with (by parameter name)."""
+
+    def __init__(self):
+        real = triton_lowering._kernels()
+        self.kernels = {}
+        self.log = []
+        for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_preprocess"):
+            fn = getattr(real, name)
+            while hasattr(fn, "fn"):
+                fn = fn.fn
+            import inspect
+            names = list(inspect.signature(fn).parameters)
+            kernel = Kernel(names)
+            kernel.__name__ = name
+            log = self.log
+
+            def run(*args, names=names, name=name):
+                params = args[9:]
+                log.append((name, {n: p.data_ptr() if isinstance(p, torch.Tensor) else p
+                                   for n, p in zip(names, params) if n in POINTERS}))
+            kernel.compiled.run = run
+            self.kernels[name] = kernel
+        self.module = types.SimpleNamespace(**self.kernels)
+
+
+def _inputs(n=40, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, n, 8, generator=g, dtype=dtype) for _ in range(4)]
+
+
+def test_programs_built_once_and_fed_each_calls_tensors(monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr(triton_lowering, "_kernels", lambda: rec.module)
+    monkeypatch.setattr(triton_lowering, "_programs", triton_lowering._Programs())
+    plans = branch_plans(40, [16, 8], [2, 1], True)
+    kw = dict(is_causal=True, attn_mask=None, scale=0.3)
+    for step in range(3):
+        q, k, v, dout = _inputs()
+        rec.log.clear()
+        out, lse = triton_lowering.forward(q, k, v, plans, **kw)
+        grads = triton_lowering.backward(dout, q, k, v, out, lse, plans, **kw)
+        assert len(triton_lowering._programs) == 2  # one forward, one backward
+        names = [name for name, _ in rec.log]
+        assert names == ["_fwd_kernel"] * 2 + ["_bwd_preprocess"] + [
+            "_bwd_dkdv_kernel", "_bwd_dq_kernel"] * 2
+        for name, ptrs in rec.log:
+            for param, tensor in (("Q", q), ("K", k), ("V", v), ("DO", dout)):
+                if param in ptrs:
+                    assert ptrs[param] == tensor.data_ptr(), (name, param)
+        fwd_ptrs = rec.log[1][1]
+        assert fwd_ptrs["Out"] == out.data_ptr() and fwd_ptrs["Lse"] == lse.data_ptr()
+        pre = rec.log[2][1]
+        assert pre["Out"] == out.data_ptr() and pre["DO"] == dout.data_ptr()
+        last_dq = rec.log[-1][1]
+        assert last_dq["DQO"] == grads[0].data_ptr()
+    assert all(k.bound == (2 if n != "_bwd_preprocess" else 1) for n, k in rec.kernels.items())
+
+
+def test_programs_keyed_by_layout_and_knobs(monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr(triton_lowering, "_kernels", lambda: rec.module)
+    monkeypatch.setattr(triton_lowering, "_programs", triton_lowering._Programs())
+    plans = branch_plans(40, [16, 8], [2, 1], True)
+    kw = dict(is_causal=True, attn_mask=None, scale=0.3)
+    q, k, v, _ = _inputs()
+    triton_lowering.forward(q, k, v, plans, **kw)
+    triton_lowering.forward(q.clone(), k.clone(), v.clone(), plans, **kw)
+    assert len(triton_lowering._programs) == 1
+    triton_lowering.forward(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, plans, **kw)
+    assert len(triton_lowering._programs) == 2  # other strides
+    unaligned = torch.empty(q.numel() + 1)[1:].view(q.shape).copy_(q)
+    triton_lowering.forward(unaligned, k, v, plans, **kw)
+    assert len(triton_lowering._programs) == 3  # another alignment (Triton specialises on it)
+    triton_lowering.forward(q, k, v, plans, **dict(kw, scale=0.25))
+    assert len(triton_lowering._programs) == 4
+    monkeypatch.setattr(tuning, "_current", None)  # the knobs read again: a new Tuning
+    triton_lowering.forward(q, k, v, plans, **kw)
+    assert len(triton_lowering._programs) == 5
+
+
+def test_programs_go_with_their_plans(monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr(triton_lowering, "_kernels", lambda: rec.module)
+    monkeypatch.setattr(triton_lowering, "_programs", triton_lowering._Programs())
+    from hilbert_fx.lowering.plans import BranchPlan
+    base = branch_plans(40, [16], [2], True)[0]
+    plan = BranchPlan(16, 2, 40, base.positions.clone(), base.counts.clone())
+    q, k, v, _ = _inputs()
+    triton_lowering.forward(q, k, v, [plan], is_causal=False, attn_mask=None, scale=0.3)
+    assert len(triton_lowering._programs) == 1
+    del plan
+    gc.collect()
+    assert len(triton_lowering._programs) == 0
