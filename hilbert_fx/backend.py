@@ -10,9 +10,10 @@ import torch.fx as fx
 from .config import DEFAULT_DILATION_RATES, DEFAULT_SEGMENT_LENGTHS, DilatedConfig
 from .dataflow import DataFlow
 from .find import find_sites
-from .rewrite import graph_is_scoped, rewrite
+from .rewrite import graph_is_scoped, remove_dead, rewrite
 from .scope import compiled_roots, module_names
 from .sites import Site, qualified_name
+from .structure import prune_passed
 
 
 @dataclass
@@ -68,6 +69,9 @@ def caller_inputs(gm: fx.GraphModule, flows: dict) -> dict:
                 if isinstance(first, fx.Node) and all(ops[i] is first for ops in passed):
                     outer[p] = (flow, first)
         flows[sub] = DataFlow(sub.graph, outer)
+        if outer:  # structure tensors built here can be passed in (structure.insert_recipe)
+            flows[sub].callers = (gm, flow, list(node.users))
+            flows[sub].atoms = flow.atoms
         caller_inputs(sub, flows)
     return flows
 
@@ -103,11 +107,28 @@ class HilbertBackend:
         flows = caller_inputs(gm, {})
         # find in every graph before rewriting any: a subgraph's masks are read in its caller
         found = [(g, find_sites(g.graph, flows.get(g))) for g in graphs]
+        used = {g: {n for n in g.graph.nodes if n.op == "placeholder" and n.users} for g in graphs}
         sites = []
         for g, matches in found:
             matches = [replace(m, module=qualified_name(m.output, names) or m.module)
                        for m in matches]
-            sites.extend(rewrite(g, matches, self.config, scoped=scoped, roots=roots))
+            sites.extend(rewrite(g, matches, self.config, scoped=scoped, roots=roots,
+                                 flow=flows.get(g)))
+        # a region whose mask was replaced by its structure no longer receives the mask; where
+        # nothing else reads it, the caller no longer builds it
+        changed = set()
+        for g in reversed(graphs):
+            flow = flows.get(g)
+            freed = prune_passed(flow, used[g]) if flow is not None else []
+            if freed:
+                caller = flow.callers[0]
+                remove_dead(caller.graph, freed, set())
+                changed |= {g, caller}
+            if flow is not None and flow.recipes and flow.callers is not None:
+                changed |= {g, flow.callers[0]}
+        for g in changed:
+            g.graph.lint()
+            g.recompile()
         record = GraphRecord(sites, before, graph_code(gm))
         if self.keep_records:
             self.records.append(record)

@@ -69,8 +69,13 @@ class DataFlow:
         self._constants: dict = {}
         self._triangles = None
         # sympy symbols of run-time offsets (triangles.py) -> (the tensor node, how many in-place
-        # writes to it come before the read)
+        # writes to it come before the read); a region shares its caller's
         self.atoms: dict = {}
+        # the tensors of sequence structure made in this graph (structure.insert_recipe)
+        self.recipes: dict = {}
+        # a region's (caller's GraphModule, caller's DataFlow, the calls of the region) where its
+        # inputs are known: structure tensors built there are passed in (backend.caller_inputs)
+        self.callers = None
 
     # -- closed regions ----------------------------------------------------------------------
     def ancestors(self, node: fx.Node) -> set:
@@ -151,15 +156,18 @@ class DataFlow:
     # -- causal triangles for every size ------------------------------------------------------
     def triangle(self, node):
         """The abstract value (Tri, Sel, ...) of a mask node, or None. A value read in the
-        caller that names the caller's nodes (a per-token tensor) is None here: this graph
-        cannot use those nodes."""
+        caller that names the caller's nodes (a per-token tensor) is None here unless the region's
+        calls are known, through which structure tensors built there are passed in."""
         if node in self.outer:
             flow, outer_node = self.outer[node]
             value = flow.triangle(outer_node)
-            return None if names_nodes(value) else value
+            return None if names_nodes(value) and self.callers is None else value
+        return self._triangles_reader()(node)
+
+    def _triangles_reader(self) -> Triangles:
         if self._triangles is None:
             self._triangles = Triangles(self)
-        return self._triangles(node)
+        return self._triangles
 
     # -- compile-time constants --------------------------------------------------------------
     def constant_value(self, node):

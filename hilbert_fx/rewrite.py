@@ -17,6 +17,7 @@ from .lowering import resolve_lowering
 from .lowering.dropout import new_seed
 
 from .config import DilatedConfig
+from .dataflow import DataFlow
 from .fx_vocab import example, is_inplace
 from .logs import log, log_site
 from .scope import compiled_roots, config_of
@@ -63,14 +64,14 @@ def mesh_reason(match: Match, config: DilatedConfig) -> str:
 
 
 def rewrite_site(graph: fx.Graph, match: Match, config: DilatedConfig,
-                 memo: Optional[dict] = None) -> Decision:
-    """Replace the match's output by the op (or the ring op of config's mesh). `memo`: the
-    structure tensors already computed in this graph (structure.insert_recipe)."""
-    memo = {} if memo is None else memo
+                 flow: Optional[DataFlow] = None) -> Decision:
+    """Replace the match's output by the op (or the ring op of config's mesh). `flow`: the
+    graph's DataFlow, which holds the structure tensors already made (structure.insert_recipe)."""
     seq = match.sequences
     structure = [None, None, None]  # position_ids, the first query's cache row, order
     if seq is not None:
-        structure = [insert_recipe(graph, r, memo) if isinstance(r, Recipe) else r
+        flow = flow if flow is not None else DataFlow(graph)
+        structure = [insert_recipe(flow, r) if isinstance(r, Recipe) else r
                      for r in (seq.position_ids, seq.first_row, seq.order)]
     position_ids, first_row, order = structure
     q = example(match.q)
@@ -140,14 +141,14 @@ def remove_dead(graph: fx.Graph, freed: list, regions: set) -> None:
 
 
 def rewrite(gm: fx.GraphModule, matches: list[Match], default: DilatedConfig, *,
-            scoped: Optional[bool] = None, roots=None) -> list[Site]:
+            scoped: Optional[bool] = None, roots=None, flow: Optional[DataFlow] = None) -> list[Site]:
     """Rewrite what may be rewritten, skip the rest; returns each match with its decision.
     `scoped`: does any module of the compiled model carry `dilate` (decided once for a graph and
-    its subgraphs)."""
+    its subgraphs). `flow`: the graph's DataFlow, where the finders used one."""
     roots = compiled_roots() if roots is None else roots
     scoped = graph_is_scoped(gm.graph, roots) if scoped is None else scoped
     freed = []
-    memo: dict = {}
+    flow = flow if flow is not None else DataFlow(gm.graph)
     decisions: dict[int, Decision] = {}
     # Last site first: a site's inputs may be an earlier site's output, which that site's rewrite
     # then replaces everywhere, in the nodes inserted for the later site included.
@@ -162,7 +163,7 @@ def rewrite(gm: fx.GraphModule, matches: list[Match], default: DilatedConfig, *,
                 reason = mesh_reason(match, config)
             if not reason:
                 freed.extend(match.output.all_input_nodes)
-                decisions[i] = rewrite_site(gm.graph, match, config, memo)
+                decisions[i] = rewrite_site(gm.graph, match, config, flow)
                 continue
         decisions[i] = Decision("skipped", reason)
     sites = [Site(match, decisions[i]) for i, match in enumerate(matches)]

@@ -393,7 +393,16 @@ def read_site(flow, q, k, v, attn_mask, is_causal: bool, site: fx.Node, atoms=No
                              "document, position_ids within each)", causal,
                              Recipe(document_positions, (atom.node,)), None,
                              Recipe(document_order, (atom.node,))), ""
-    names = sorted(a.kind if isinstance(a, Rel) else "a triangle" for a in rest)
+    if not causal and cache is None and [a.kind for a in rest if isinstance(a, Rel)] == ["key"] \
+            and len(rest) == 1:
+        # bidirectional with padding: kept as a mask (a right-padded row is computed as the row
+        # alone; a left-padded one is not)
+        return None, "a padding mask without causal is passed as a mask"
+    names = sorted({"pos_le": "causal over position ids", "same_run": "same run of position ids",
+                    "same_id": "same document id", "key": "a padding mask",
+                    "key_le": "keys up to the cache position"}.get(a.kind, a.kind)
+                   if isinstance(a, Rel) else f"a triangle (j {'<=' if a.lower else '>='} i + {a.k})"
+                   for a in rest)
     return None, (f"the mask combines {', '.join(names)}{' with causal' if causal else ''}: not "
                   f"one sequence structure the op takes")
 
@@ -433,18 +442,80 @@ def structure_specs(sequences: Optional[Sequences], q, k, shapes=None) -> dict:
     return specs
 
 
-def insert_recipe(graph: fx.Graph, recipe: Recipe, memo: dict) -> fx.Node:
-    """The node computing `recipe`, made once per graph, right after its last operand (after
-    the graph's inputs where the operands are inputs), so that every site can read it."""
+def _fake_value(fn, args):
+    """What fn(*args) gives on the args' recorded (fake) values, for the new node's meta."""
+    values = [example(a) if isinstance(a, fx.Node) else a for a in args]
+    mode = next((getattr(v, "fake_mode", None) for v in values
+                 if getattr(v, "fake_mode", None) is not None), None)
+    if mode is None:
+        return None
+    try:
+        with mode:
+            return fn(*values)
+    except Exception:  # noqa: BLE001  (the meta is a convenience; the graph is right without it)
+        return None
+
+
+def insert_recipe(flow, recipe: Recipe) -> fx.Node:
+    """The node computing `recipe` in flow's graph, made once per graph, right after its last
+    operand (after the graph's inputs where the operands are inputs), so that every site can read
+    it. Operands of the caller of a region (a checkpointed body, whose mask was built outside it)
+    are computed there and passed in, as one more operand of every call of the region."""
+    graph, memo = flow.graph, flow.recipes
     key = (recipe.fn, tuple(id(a) if isinstance(a, fx.Node) else a for a in recipe.args))
     if key in memo:
         return memo[key]
-    order = {n: i for i, n in enumerate(graph.nodes)}
     nodes = [a for a in recipe.args if isinstance(a, fx.Node)]
-    last = max(nodes, key=order.__getitem__)
-    if last.op == "placeholder":
-        last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    with graph.inserting_after(last):
-        node = graph.call_function(recipe.fn, recipe.args)
+    if any(n.graph is not graph for n in nodes):
+        node = _passed_in(flow, insert_recipe(flow.callers[1], recipe))
+    else:
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        last = max(nodes, key=order.__getitem__)
+        if last.op == "placeholder":
+            last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(last):
+            node = graph.call_function(recipe.fn, recipe.args)
+        value = _fake_value(recipe.fn, recipe.args)
+        if value is not None:
+            node.meta["example_value"] = value
     memo[key] = node
     return node
+
+
+def _passed_in(flow, outer: fx.Node) -> fx.Node:
+    """A new input of flow's region standing for `outer`, a node of its caller, which every
+    call of the region passes after the operands it passed before."""
+    _, caller, calls = flow.callers
+    placeholders = [n for n in flow.graph.nodes if n.op == "placeholder"]
+    with flow.graph.inserting_after(placeholders[-1]):
+        node = flow.graph.placeholder(f"hilbert_fx_{outer.name}")
+    if "example_value" in outer.meta:
+        node.meta["example_value"] = outer.meta["example_value"]
+    for call in calls:
+        call.args = tuple(call.args) + (outer,)
+    flow.outer[node] = (caller, outer)
+    return node
+
+
+def prune_passed(flow, used_before: set) -> list:
+    """Inputs of flow's region that the rewrite left without users (a mask built outside it,
+    replaced by its structure): removed from the region and from every call of it. Returns the
+    caller's nodes no longer passed (their computation may now be dead there)."""
+    if flow.callers is None:
+        return []
+    _, _, calls = flow.callers
+    placeholders = [n for n in flow.graph.nodes if n.op == "placeholder"]
+    freed = []
+    for i in reversed(range(len(placeholders))):
+        p = placeholders[i]
+        if p.users or p not in used_before:
+            continue
+        for call in calls:
+            body_at = next(j for j, a in enumerate(call.args)
+                           if isinstance(a, fx.Node) and a.op == "get_attr")
+            args = list(call.args)
+            freed.append(args.pop(body_at + 1 + i))
+            call.args = tuple(args)
+        flow.outer.pop(p, None)
+        flow.graph.erase_node(p)
+    return [n for n in freed if isinstance(n, fx.Node)]

@@ -491,7 +491,7 @@ class Triangles:
             return None
         version = sum(1 for u in base.users if is_inplace(u) and u.args and u.args[0] is base
                       and order[u] < order[reader])
-        symbol = sympy.Symbol(f"{base.name}@{version}", integer=True)
+        symbol = sympy.Symbol(f"{base.name}#{id(base)}@{version}", integer=True)
         self.flow.atoms[symbol] = (base, version)
         return symbol
 
@@ -505,7 +505,10 @@ class Triangles:
             v = self.seeds[node]
             return v if isinstance(v, Tok) else None
         if node in self.flow.outer:
-            return None
+            flow, outer = self.flow.outer[node]
+            if self.flow.callers is None or flow.triangle(outer) is not None:
+                return None
+            return flow._triangles_reader().token(outer)  # a per-token tensor passed in
         if node not in self.tokens:
             self.tokens[node] = None
             try:

@@ -108,6 +108,37 @@ def test_packed_documents_equal_each_document_alone(family):
     assert (alone[1][0] - dense).abs().max() > 1e-3
 
 
+def test_packed_documents_under_gradient_checkpointing():
+    """transformers' gradient checkpointing puts each layer in a checkpointed region, the mask
+    built outside: the packed structure is computed outside and passed into every region, and
+    the N x N mask is no longer built. Logits and gradients equal each document alone."""
+    model = model_of("llama")
+    model.gradient_checkpointing_enable()
+    model.train()
+    lengths = (13, 21, 9)
+    docs = [tokens(n, seed) for seed, n in enumerate(lengths)]
+    ids = torch.cat(docs, 1)
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    torch._dynamo.reset()
+    be = recording_backend()
+    compiled = torch.compile(model, backend=be)
+
+    def run(x, p):
+        logits = compiled(input_ids=x, position_ids=p, use_cache=False).logits
+        return logits, torch.autograd.grad(logits.square().sum(), list(model.parameters()))
+
+    packed, packed_grads = run(ids, position_ids)
+    record = be.records[0]
+    alone = [run(d, torch.arange(d.shape[1])[None]) for d in docs]
+    torch.testing.assert_close(packed, torch.cat([a for a, _ in alone], 1), atol=ATOL, rtol=RTOL)
+    for g, *parts in zip(packed_grads, *(grads for _, grads in alone)):
+        torch.testing.assert_close(g, sum(parts), atol=1e-4, rtol=1e-3)
+    assert [(s.action, "packed" in s.sequences.what) for s in record.sites] == [
+        ("rewritten", True)] * LAYERS, described(be)
+    assert "tag_activation_checkpoint" in record.graph_after
+    assert "cumsum" in record.graph_before and "cumsum" not in record.graph_after
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_padded_rows_equal_each_row_alone(family, side):
