@@ -401,7 +401,8 @@ def read_site(flow, q, k, v, attn_mask, is_causal: bool, site: fx.Node, atoms=No
     names = sorted({"pos_le": "causal over position ids", "same_run": "same run of position ids",
                     "same_id": "same document id", "key": "a padding mask",
                     "key_le": "keys up to the cache position"}.get(a.kind, a.kind)
-                   if isinstance(a, Rel) else f"a triangle (j {'<=' if a.lower else '>='} i + {a.k})"
+                   if isinstance(a, Rel) else f"a triangle (j {'<=' if a.lower else '>='} i"
+                   f"{'' if a.k == 0 else f' + {a.k}' if not str(a.k).startswith('-') else f' - {str(a.k)[1:]}'})"
                    for a in rest)
     return None, (f"the mask combines {', '.join(names)}{' with causal' if causal else ''}: not "
                   f"one sequence structure the op takes")

@@ -413,6 +413,11 @@ class Triangles:
                     "gt": Tri(False, norm(c + 1))}[op]
         if op in ("ge", "gt"):  # x >= y  ==  y <= x
             a, b, op = b, a, _FLIP[op]
+        # an index is never negative: c <= i + off holds everywhere where c <= off (transformers'
+        # bidirectional mask function, q_idx >= 0)
+        if isinstance(b, Pos) and isinstance(b.off, int) and isinstance(a, int) \
+                and not isinstance(a, bool) and (a <= b.off if op == "le" else a < b.off):
+            return Full(True)
         if op != "le":
             return None
         if isinstance(a, At) and isinstance(b, At) and a.tok == b.tok and a.tok.kind == "raw" \
