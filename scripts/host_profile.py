@@ -8,7 +8,8 @@ On one GPU: bf16, B = 1, H = 16, D = 128, causal, branches (2048, 1), (4096, 2),
 call (median over --iters calls, each issued on an idle GPU after a synchronisation, none
 waited for) of
   - op:       hilbert_fx.dilated_attention (torch.ops.hilbert_fx.dilated_attention and its
-              autograd), forward without grad, and forward + out.backward(dO);
+              autograd): forward without grad, forward on inputs that require grad (autograd
+              records the backward), and forward + out.backward(dO);
   - lowering: lowering/triton_lowering.forward and .backward, called directly;
   - the same two with HILBERT_FX_FAST_LAUNCH=0 ("slow": every launch through Triton's own
     path, as before launches were cached), and SDPA (causal, the whole sequence) for scale;
@@ -27,7 +28,9 @@ the Hopper backward adds dq by atomics). A line per case says "ok" or what diffe
 that binds its arguments as Triton's launch path would (Triton's own binder for the sm_90
 backend, and its cache key) and launches nothing, and the lowering's allocations by tensors
 made once, so that what remains is the Python of the launch path: the cost this script
-measures on the GPU, less the C launcher and the allocator. --stub-hopper also sends the
+measures on the GPU, less the C launcher and the allocator (the op's forward+backward there
+also pays for the zero gradient autograd makes for lse, and the Hopper stub for converting dq,
+both slow on a CPU). --stub-hopper also sends the
 branches the Hopper kernels would take (whole sets) through their host code (descriptors
 included), with this machine's Triton building the descriptors. --base DIR:PACKAGE measures
 another copy of lowering/ (e.g. `git archive HEAD lowering | tar -x -C /tmp/base` then
@@ -124,6 +127,13 @@ class Case:
         with torch.no_grad():
             return dilated_attention(q, k, v, SEGS, RATES, hilbert=self.hilbert, is_causal=True,
                                      lowering="triton")
+
+    def op_fwd_graph(self):
+        """The forward of a training step: autograd records the op's backward."""
+        from hilbert_fx.lowering import dilated_attention
+        q, k, v = self.leaves
+        return dilated_attention(q, k, v, SEGS, RATES, hilbert=self.hilbert, is_causal=True,
+                                 lowering="triton")
 
     def op_fwd_bwd(self):
         from hilbert_fx.lowering import dilated_attention
@@ -248,6 +258,7 @@ def table(args, lw, tuning_mod, device):
             row = dict(N=n, order=order)
             if op:
                 row["op fwd"] = cpu_us(case.op_fwd, it, device)
+                row["op fwd, grad"] = cpu_us(case.op_fwd_graph, it, device)
                 row["op fwd+bwd"] = cpu_us(case.op_fwd_bwd, it, device, case.clear_grads)
             row["lowering fwd"] = cpu_us(case.fwd, it, device)
             row["lowering fwd+bwd"] = cpu_us(case.fwd_bwd, it, device)
