@@ -16,14 +16,18 @@ where it is one of these structures, calls the op with the structure instead of 
 - same document id (FlexAttention's document masks), causal or not: each row's tokens put in
   document order (`document_order`), position_ids = each token's place in its document;
 - queries shorter than keys, where the keys are a cache: torch.cat of the cached rows and the
-  rows this step computed (DynamicCache), or a buffer written in place at the queries' rows
-  (StaticCache: index_copy_ / index_put_ at cache_position), with a mask that proves each query
-  sees exactly the keys at or before its row: is_causal, and for a buffer seqused_k =
-  cache_position[-1] + 1 (`cache_lengths`); a padding mask beside it gives position_ids.
+  rows this step computed (DynamicCache: the mask must be causal aligned bottom-right, or absent
+  for one query), or a buffer this step wrote its rows into (StaticCache: index_copy_ /
+  index_put_ / setitem at cache_position) under a mask j <= i + c or j <= cache_position[i],
+  which places query i at row c + i: is_causal, seqused_k = c + Nq (`cache_lengths`, the
+  mask's own c, whichever layer's counter it read); a padding mask beside it gives
+  position_ids. A prefill into an empty static cache that reads its own rows back
+  (buf[:, :, :Nq]) is plain causal self-attention.
 
 The tensors are computed on the device by graph ops the rewrite inserts (Recipes), once per
-graph. Anything else is not proved: the mask is passed and the pattern is laid over the row
-(section 2), and the report says why.
+graph; where the mask was built outside a checkpointed region, they are computed outside too
+and passed in. Anything else is not proved: the mask is passed and the pattern is laid over the
+row (section 2), and the report says why.
 """
 from __future__ import annotations
 
