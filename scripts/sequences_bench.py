@@ -145,26 +145,34 @@ def packed(out, device):
                                             hilbert=True, is_causal=True)
                           for a, b in zip(starts, starts[1:])], dim=2)
 
-    # FlexAttention: each branch a mask (same document, same segment, the head's class, causal),
-    # merged by log-sum-exp as the op does
+    # FlexAttention with the same attention: one softmax over the keys any branch selects (same
+    # document, same segment, the head's class, causal), each weighted by the number of
+    # branches selecting it (a score_mod adding its log), which is what the op's merge computes
     doc = torch.repeat_interleave(torch.arange(len(DOCS), device=device),
                                   torch.tensor(DOCS, device=device))
-    flex = torch.compile(flex_attention)
-    masks = []
-    for wi, ri in zip(w, r):
-        cls = class_of(wi, ri, True)[0].to(device)
+    classes = [class_of(wi, ri, True)[0].to(device) for wi, ri in zip(w, r)]
 
-        def mask_mod(b, hd, qi, ki, wi=wi, ri=ri, cls=cls):
-            same = (doc[qi] == doc[ki]) & (pos[qi] // wi == pos[ki] // wi)
-            return same & (cls[pos[qi] % wi] == hd % ri) & (cls[pos[ki] % wi] == hd % ri) & (ki <= qi)
-        # _compile: the block mask is built without materialising the N x N mask first
-        masks.append(create_block_mask(mask_mod, 1, h, n, n, device=device, _compile=True))
+    def count(hd, qi, ki):
+        c = (qi * 0).to(torch.int32)
+        same_doc = (doc[qi] == doc[ki]) & (ki <= qi)
+        for wi, ri, cls in zip(w, r, classes):
+            sel = same_doc & (pos[qi] // wi == pos[ki] // wi)
+            sel = sel & (cls[pos[qi] % wi] == hd % ri) & (cls[pos[ki] % wi] == hd % ri)
+            c = c + sel.to(torch.int32)
+        return c
+
+    def mask_mod(b, hd, qi, ki):
+        return count(hd, qi, ki) > 0
+
+    def score_mod(score, b, hd, qi, ki):
+        return score + torch.log(count(hd, qi, ki).clamp(min=1).to(score.dtype))
+
+    # _compile: the block mask is built without materialising the N x N mask first
+    block_mask = create_block_mask(mask_mod, 1, h, n, n, device=device, _compile=True)
+    flex = torch.compile(flex_attention)
 
     def flex_op():
-        outs, lses = zip(*(flex(q, k, v, block_mask=m, return_lse=True) for m in masks))
-        lse = torch.stack(lses).float()
-        top = torch.logsumexp(lse, 0)
-        return sum(o * torch.exp(l - top).unsqueeze(-1).to(o.dtype) for o, l in zip(outs, lses))
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
     with torch.no_grad():
         ref = one_by_one()
@@ -225,14 +233,25 @@ def model(out, device):
     config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                          num_attention_heads=16, num_key_value_heads=16, vocab_size=1024,
                          max_position_embeddings=140000)
+    import transformers
     w, r = BRANCHES
+
+    def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                        **kwargs):
+        """Dense baseline without an N x N mask: causal for the prompt, every cached key for a
+        decoding step (no padding here)."""
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=query.shape[2] == key.shape[2], scale=scaling)
+        return o.transpose(1, 2).contiguous(), None
+    transformers.AttentionInterface.register("dense_decode", dense_attention)
+    transformers.AttentionMaskInterface.register("dense_decode", lambda *a, **k: None)
     log(out, "| prompt | dense ms/token | dilated ms/token | dense / dilated |")
     log(out, "|---|---|---|---|")
     for length in (8192, 32768, 131072):
         times = {}
         for name in ("dense", "dilated"):
             torch.manual_seed(0)
-            config._attn_implementation = "sdpa"
+            config._attn_implementation = "dense_decode" if name == "dense" else "sdpa"
             m = LlamaForCausalLM(config).to(device, torch.bfloat16).eval()
             backend = "inductor" if name == "dense" else hilbert_fx.backend(
                 segment_lengths=w, dilation_rates=r, hilbert=True)
