@@ -238,3 +238,23 @@ def test_static_cache_mask_built_by_generate_is_reported():
     decoding = [s for s in sites(be) if example_length(s) == 1]
     assert decoding and all(s.action == "skipped" and "input of the compiled graph" in s.reason
                             for s in decoding), described(be)
+
+
+def test_a_mask_the_pass_cannot_take_keeps_section_2_and_says_why():
+    """Mistral's sliding window beside a padding mask is no structure the op takes: the mask is
+    passed (the pattern over the row, SPEC section 2) and the report's row says which parts."""
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=VOCAB, sliding_window=6,
+        attn_implementation="sdpa")).eval()
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        report = hilbert_fx.explain(model, input_ids=tokens(20, 1).expand(2, -1),
+                                    attention_mask=mask, use_cache=False,
+                                    backend=hilbert_fx.backend(W, R, lowering="sdpa"))
+    (site,) = report.sites
+    assert site.action == "rewritten", report
+    assert "attn_mask passed" in site.structure and "a padding mask" in site.structure, report
+    assert "attn_mask passed" in str(report)
