@@ -16,9 +16,14 @@ waited for) of
 beside the GPU time of a forward+backward (CUDA events over --iters back-to-back calls): where
 the CPU column exceeds the GPU column, the host sets the pace.
 
-Before any timing, a check: the cached launches compute what Triton's own path computes, on
-inputs at other addresses than the first call's (forward bitwise; gradients to rounding, as
-the Hopper backward adds dq by atomics). A line per case says "ok" or what differs.
+Before any timing, a check, in a child process (a fault there must not end this run): the
+cached launches compute what Triton's own path computes, on inputs at other addresses than the
+first call's and on new inputs at freed addresses (forward bitwise; gradients to rounding, as
+the Hopper backward adds dq by atomics). A line per case says "ok" or what differs; if the
+check fails, it is run again without the Hopper kernels' kept tensor maps
+(triton_lowering.TENSOR_MAPS), and the timing runs with what passed, or with
+HILBERT_FX_FAST_LAUNCH=0 if nothing did. --check-extra adds a boolean mask with dropout and
+transposed GQA inputs with a dO the Hopper backward must copy (more kernels to compile).
 
 --profile: for N = 8192 in the Hilbert order, cProfile of 50 forward+backward calls of the op
 (the top host functions by cumulative and by own time), and the kernels one call launches
@@ -30,9 +35,9 @@ backend, and its cache key) and launches nothing, and the lowering's allocations
 made once, so that what remains is the Python of the launch path: the cost this script
 measures on the GPU, less the C launcher and the allocator (the op's forward+backward there
 also pays for the zero gradient autograd makes for lse, and the Hopper stub for converting dq,
-both slow on a CPU). --stub-hopper also sends the
-branches the Hopper kernels would take (whole sets) through their host code (descriptors
-included), with this machine's Triton building the descriptors. --base DIR:PACKAGE measures
+both slow on a CPU). --stub-hopper also sends the branches the Hopper kernels would take
+(whole sets) through their host code (descriptors included), with this machine's Triton
+building the descriptors. --base DIR:PACKAGE measures
 another copy of lowering/ (e.g. `git archive HEAD lowering | tar -x -C /tmp/base` then
 mv /tmp/base/lowering /tmp/base/lowering_base; --base /tmp/base:lowering_base) for before/after;
 on the GPU too (the lowering's rows only: the registered op runs this tree's lowering).
@@ -184,14 +189,23 @@ def has_fast_launch(tuning_mod) -> bool:
 
 
 def check(case: Case, tuning_mod) -> str:
-    """'ok', or what differs between cached launches and Triton's own path, on inputs at new
-    addresses, then on new inputs at the addresses just freed (the caching allocator hands them
-    back: kept tensor maps are found again, for other data)."""
-    case.fwd(), case.bwd()  # the programs are built and their launches cached
-    lw, plans, kw = case.lw, case.plans, case.kw
+    """'ok', or what differs between cached launches and Triton's own path (compare())."""
+    return compare(case.lw, tuning_mod, lambda: [torch.randn_like(t) for t in case.inputs],
+                   case.plans, case.kw)
+
+
+def compare(lw, tuning_mod, make, plans, kw) -> str:
+    """'ok', or what differs between cached launches and Triton's own path for the lowering's
+    forward and backward on inputs (q, k, v, dO) = make(): first on inputs at new addresses, then
+    on new inputs at the addresses just freed (the caching allocator hands them back: kept
+    tensor maps are found again, for other data). Forward bitwise; gradients to rounding (the
+    Hopper backward adds dq by atomics)."""
+    q, k, v, dout = make()
+    for _ in range(2):  # the programs are built and their launches cached
+        lw.backward(dout, q, k, v, *lw.forward(q, k, v, plans, **kw), plans, **kw)
     problems = []
     for _ in range(2):
-        q, k, v, dout = [torch.randn_like(t) for t in case.inputs]
+        q, k, v, dout = make()
         out_f, lse_f = lw.forward(q, k, v, plans, **kw)
         grads_f = lw.backward(dout, q, k, v, out_f, lse_f, plans, **kw)
         with _Knobs(tuning_mod, fast=False):
@@ -208,6 +222,38 @@ def check(case: Case, tuning_mod) -> str:
                 problems.append(f"{name} differs ({err:.3g} against max |{name}| {size:.3g})")
         del q, k, v, dout, out_f, lse_f, grads_f, out_s, lse_s, grads_s
     return "ok" if not problems else "; ".join(problems)
+
+
+def extra_checks(lw, tuning_mod, device) -> bool:
+    """compare() on layouts the benchmark does not have: a boolean mask with dropout (the Triton
+    kernels' mask and seed), q, k, v as [B, N, H, D] transposed with GQA and a dO the Hopper
+    backward must copy (its 2-D views cannot read a strided last dimension)."""
+    from hilbert_fx.lowering.plans import branch_plans
+    n = 1024
+    ok = True
+    g = torch.Generator(device="cpu").manual_seed(1)
+
+    def rand(*shape, dtype):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    mask = torch.rand(1, 1, n, n, generator=g).to(device) > 0.2
+    seed = torch.tensor(7, dtype=torch.int64, device=device)
+    cases = [
+        ("bool mask, dropout, fp16",
+         lambda: [rand(1, 4, n, 64, dtype=torch.float16) for _ in range(4)],
+         branch_plans(n, [256, 512], [1, 2], True, device),
+         dict(is_causal=False, attn_mask=mask, scale=0.125, dropout_p=0.1, seed=seed)),
+        ("[B, N, H, D] transposed, GQA, strided dO, bf16",
+         lambda: [rand(2, n, h, 128, dtype=torch.bfloat16).transpose(1, 2) for h in (8, 2, 2)]
+         + [rand(2, 8, n, 256, dtype=torch.bfloat16)[..., ::2]],
+         branch_plans(n, [256, 512, 1024], [1, 2, 4], True, device),
+         dict(is_causal=True, attn_mask=None, scale=128 ** -0.5)),
+    ]
+    for name, make, plans, kw in cases:
+        verdict = compare(lw, tuning_mod, make, plans, kw)
+        ok = ok and verdict == "ok"
+        print(f"check {name}: cached launches against Triton's own path: {verdict}", flush=True)
+    return ok
 
 
 def checks(args, lw, tuning_mod, device) -> bool:
@@ -228,6 +274,8 @@ def checked_launches(args, lw, tuning_mod) -> None:
     without; if that fails too, the rest runs with HILBERT_FX_FAST_LAUNCH=0, and says so."""
     import subprocess
     base = [sys.executable, os.path.abspath(__file__), "--check-only", "--n", *map(str, args.n)]
+    if args.check_extra:
+        base.append("--check-extra")
     for extra, what in (([], "cached launches"),
                         (["--no-tensor-maps"], "cached launches without kept tensor maps")):
         done = subprocess.run(base + extra, capture_output=True, text=True, timeout=900)
@@ -474,11 +522,18 @@ def main():
     ap.add_argument("--base", default=None, help="DIR:PACKAGE, another copy of lowering/")
     ap.add_argument("--check-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-tensor-maps", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--check-extra", action="store_true",
+                    help="also check a mask with dropout and transposed GQA layouts (compiles "
+                         "more kernels: a minute or two)")
     args = ap.parse_args()
     if args.check_only:  # the child process of checked_launches
         from hilbert_fx.lowering import triton_lowering, tuning
         triton_lowering.TENSOR_MAPS = not args.no_tensor_maps
-        sys.exit(0 if checks(args, triton_lowering, tuning, torch.device("cuda")) else 1)
+        device = torch.device("cuda")
+        ok = checks(args, triton_lowering, tuning, device)
+        if args.check_extra:
+            ok = extra_checks(triton_lowering, tuning, device) and ok
+        sys.exit(0 if ok else 1)
     args.stub = args.stub or args.stub_hopper
     if args.base:  # its modules without its package's __init__, which would register the op again
         where, package = args.base.split(":")

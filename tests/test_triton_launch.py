@@ -294,3 +294,22 @@ def test_programs_go_with_their_plans(monkeypatch):
     del plan
     gc.collect()
     assert len(triton_lowering._programs) == 0
+
+
+def test_mask_and_seed_slots_get_each_calls_tensors(monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr(triton_lowering, "_kernels", lambda: rec.module)
+    monkeypatch.setattr(triton_lowering, "_programs", triton_lowering._Programs())
+    plans = branch_plans(40, [16, 8], [2, 1], True)
+    for step in range(3):
+        q, k, v, dout = _inputs()
+        mask = torch.rand(1, 1, 40, 40) > 0.3
+        seed = torch.tensor(step, dtype=torch.int64)
+        kw = dict(is_causal=False, attn_mask=mask, scale=0.3, dropout_p=0.2, seed=seed)
+        rec.log.clear()
+        out, lse = triton_lowering.forward(q, k, v, plans, **kw)
+        triton_lowering.backward(dout, q, k, v, out, lse, plans, **kw)
+        for name, ptrs in rec.log:
+            if "Mask" in ptrs:
+                assert ptrs["Mask"] == mask.data_ptr() and ptrs["Seed"] == seed.data_ptr(), name
+    assert len(triton_lowering._programs) == 2
