@@ -777,9 +777,10 @@ def _call_tensors(bufs: list, b: int, hq: int, n: int, device, attn_mask, dropou
         bufs[SEED.index] = (seed if seed.device == device else seed.to(device)).reshape(())
 
 
-def _gluon_step(module, call: Call, plan: BranchPlan, br: Branch, refs: tuple, **kw):
-    """The Hopper kernel's launch of one branch (gluon_forward or gluon_backward), or, where a
-    test replaced the module's `launch`, a step that calls the replacement."""
+def _gluon_step(module, call: Call, plan: BranchPlan, br: Branch, refs: tuple, dout=None, **kw):
+    """The Hopper kernel's launch of one branch (gluon_forward or gluon_backward; `dout`: the dO
+    whose layout the backward's launch reads, a contiguous copy's where dO must be copied), or,
+    where a test replaced the module's `launch`, a step that calls the replacement."""
     kw.update(is_causal=call.is_causal, scale=call.scale)
     if module.launch is not module.GENUINE_LAUNCH:
         return _Emulated(module, "launch", [*refs, plan, br.pos], kw)
@@ -787,8 +788,8 @@ def _gluon_step(module, call: Call, plan: BranchPlan, br: Branch, refs: tuple, *
         kernel, grid, args, kwargs = module.prepare(call.q, call.k, call.v, plan, br.pos,
                                                     refs=refs, **kw)
     else:
-        kernel, grid, args, kwargs = module.prepare(call.q, call.k, call.v, call.dout, plan,
-                                                    br.pos, refs=refs, **kw)
+        kernel, grid, args, kwargs = module.prepare(call.q, call.k, call.v, dout, plan, br.pos,
+                                                    refs=refs, **kw)
     return _Launch(kernel, args, kwargs, grid)
 
 
@@ -924,7 +925,8 @@ class _Backward:
                 self.steps.append(_gluon_step(
                     gluon_backward, call, plan, br,
                     (Q, K, V, DOUT_G if copy else DOUT, DQ, DK, DV, DK_FINAL, DV_FINAL, seen_kv,
-                     LSE2, DELTA), first=first, last=last))
+                     LSE2, DELTA), dout=call.dout.contiguous() if copy else call.dout,
+                    first=first, last=last))
                 continue
             classes = min(plan.dilation_rate, group)
             self.steps.append(call.launch(

@@ -82,7 +82,7 @@ class Kernel:
     def __init__(self, arg_names, descriptor_positions=(), wrapped=True):
         self.__name__ = "stand_in"
         self.arg_names, self.pre_run_hooks = list(arg_names), []
-        self.calls, self.bound = [], 0
+        self.calls, self.bound, self.bound_params = [], 0, []
         metas = [{"id": i} for i in range(len(descriptor_positions))]
         self.compiled = types.SimpleNamespace(
             run=Launcher(descriptor_positions, metas, self.calls, wrapped), function=1234,
@@ -92,6 +92,7 @@ class Kernel:
         def launch(*args, **kwargs):
             self.bound += 1
             params = list(args) + [kwargs[n] for n in self.arg_names[len(args):]]
+            self.bound_params.append(dict(zip(self.arg_names, params)))
             self.compiled.run(*(tuple(grid) + (1, 1))[:3], 0, self.compiled.function,
                               self.compiled.packed_metadata, None, None, None, *params)
             return self.compiled
@@ -313,3 +314,45 @@ def test_mask_and_seed_slots_get_each_calls_tensors(monkeypatch):
             if "Mask" in ptrs:
                 assert ptrs["Mask"] == mask.data_ptr() and ptrs["Seed"] == seed.data_ptr(), name
     assert len(triton_lowering._programs) == 2
+
+
+@pytest.mark.parametrize("hilbert", [False, True], ids=["identity", "hilbert"])
+def test_hopper_launches_read_the_layouts_they_are_given(hilbert, monkeypatch):
+    """The Hopper kernels' host side, run on stand-ins (whole sets sent to them as on an H100):
+    q, k, v as [B, N, H, D] transposed, and a dO whose last dimension is strided, which the
+    backward copies: its coordinates (OA..OD) are those of the copy's layout, and every launch
+    after the first passes what the first passed, for each call's tensors."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from hilbert_fx.lowering import gluon_backward, gluon_backward_kernels, gluon_kernels
+    rec = _Recorder()
+    monkeypatch.setattr(triton_lowering, "_kernels", lambda: rec.module)
+    monkeypatch.setattr(triton_lowering, "_programs", triton_lowering._Programs())
+    fwd = Kernel(gluon_kernels._fwd_kernel.arg_names)
+    bwd = Kernel(gluon_backward_kernels._bwd_kernel.arg_names)
+    monkeypatch.setattr(gluon_forward, "_load", lambda: types.SimpleNamespace(_fwd_kernel=fwd))
+    monkeypatch.setattr(gluon_backward, "_load", lambda: types.SimpleNamespace(_bwd_kernel=bwd))
+    monkeypatch.setattr(gluon_forward, "_unsupported", lambda q, k, v, plan, *a: None
+                        if gluon_forward._whole_sets(plan) else "stand-in: Triton kernels")
+    n, d = 256, 64
+    plans = branch_plans(n, [128, 256], [1, 2], hilbert)
+    kw = dict(is_causal=True, attn_mask=None, scale=0.125)
+    for step in range(3):
+        q, k, v = (torch.randn(1, n, h, d).to(torch.bfloat16).transpose(1, 2) for h in (4, 2, 2))
+        dout = torch.randn(1, 4, n, 2 * d).to(torch.bfloat16)[..., ::2]
+        out, lse = triton_lowering.forward(q, k, v, plans, **kw)
+        triton_lowering.backward(dout, q, k, v, out, lse, plans, **kw)
+    assert fwd.bound == 2 and bwd.bound == 2  # one binding per launch: the first call's
+    assert len(fwd.calls) == len(bwd.calls) == 6
+    copy = dout.contiguous()
+    for params, plan in zip(bwd.bound_params, [plans[1], plans[0]]):  # r > 1 first
+        r = plan.dilation_rate
+        coords = [params[c] for c in ("OA", "OB", "OC", "OD")]
+        if isinstance(params["DOx"], torch.Tensor):  # gathered through positions
+            assert params["DOx"].is_contiguous()
+            assert coords == [*copy.stride()[:3], 0]
+        else:
+            assert coords == list(gluon_forward._view(copy, r)[1:])
+            assert params["DOx"].strides == list(gluon_forward._view(copy, r)[0].stride())
+        assert [params[c] for c in ("QA", "QB", "QC", "QD")] == (
+            list(gluon_forward._view(q, r)[1:]) if not isinstance(params["Qx"], torch.Tensor)
+            else [*q.stride()[:3], 0])
