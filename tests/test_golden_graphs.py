@@ -249,8 +249,8 @@ def forward(self, L_x_ : torch.Tensor, L_w_ : torch.nn.parameter.Parameter, L_po
     q = permute[0]
     k = permute[1]
     v = permute[2]
-    dilated_attention_default = torch.ops.hilbert_fx.dilated_attention.default(q, k, v, [8, 16], [1, 2], True, True, None, 0.0, None, 0.35355339059327373, 'sdpa', run_positions, None)
-    getitem_11 = dilated_attention_default[0]
+    dilated_attention_varlen_default = torch.ops.hilbert_fx.dilated_attention_varlen.default(q, k, v, [8, 16], [1, 2], True, True, None, 0.0, None, 0.35355339059327373, 'sdpa', run_positions, None)
+    getitem_11 = dilated_attention_varlen_default[0]
     return (getitem_11,)""")
 
     def test_sdpa_decoding_against_a_dynamic_cache(self):
