@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hilbert_fx
-from reference import reference_dilated_attention
+from reference import reference_dilated_attention, reference_sequences
 
 W, R = (8, 16), (1, 2)
 B, N, H, D = 2, 24, 4, 8
@@ -332,7 +332,8 @@ def compile_and_record(model, *args):
 
 
 def op_calls(rec):
-    return [n for gm in rec.graphs for n in gm.graph.nodes if n.target is OP]
+    ops = (OP, torch.ops.hilbert_fx.dilated_attention_varlen.default)
+    return [n for gm in rec.graphs for n in gm.graph.nodes if n.target in ops]
 
 
 def inputs(seed, n=N):
@@ -645,14 +646,17 @@ def test_one_document_mask_is_causal(limit, monkeypatch):
     torch.testing.assert_close(gx.double(), gx_ref, atol=5e-5, rtol=1e-3)
 
 
-def test_packed_documents_keep_their_mask():
+def test_packed_documents_run_per_document():
+    """A causal mask of same-document pairs built from position ids (transformers' packing) is
+    read as the documents themselves (SPEC section 5): is_causal and position_ids instead of the
+    N x N mask, each document getting the op on itself alone."""
     torch.manual_seed(0)
     model = Variant(lambda m, x, pos: sdpa_document_mask(m, x, pos)).eval()
     x, _ = inputs(3)
     pos = torch.cat([torch.arange(10), torch.arange(N - 10)]).expand(B, N)
     out, rec = compile_and_record(model, x, pos)
     (call,) = op_calls(rec)
-    assert call.args[6] is False and call.args[7] is not None
+    assert call.args[6] is True and call.args[7] is None and call.args[12] is not None
     q, k, v = project(x.double(), model.w.double())
-    expected = reference_dilated_attention(q, k, v, W, R, hilbert=True, attn_mask=document_mask(pos, N))
+    expected = reference_sequences(q, k, v, W, R, hilbert=True, is_causal=True, position_ids=pos)
     torch.testing.assert_close(out.double(), merge(expected), atol=2e-5, rtol=1e-4)
