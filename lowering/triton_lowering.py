@@ -78,10 +78,11 @@ devices and alignment of the inputs, the plans by identity, mask and dropout lay
 the knobs), built on the first call with the checks, the plans' tensors, the Hopper kernels'
 eligibility, the tiles, grids and every static argument. A program's launches (`_Launch`) name
 the call's tensors by `Slot`; the first goes through Triton (`kernel[grid](...)`), later ones
-hand its launcher the arguments directly, the Hopper kernels' descriptors rebuilt only from a
-new data pointer (gluon_forward.Descriptor). The backward's preprocessing also zeroes the dq
-buffer that atomics add to, instead of a separate fill. HILBERT_FX_FAST_LAUNCH=0 sends every
-launch through Triton's own path; scripts/host_profile.py measures both.
+hand its launcher the arguments directly (tensors as addresses), and the Hopper kernels' tensor
+maps are encoded only for a data pointer not seen before (gluon_forward.Descriptor,
+`_tensor_map_launch`). The backward's preprocessing also zeroes the dq buffer that atomics add
+to, instead of a separate fill. HILBERT_FX_FAST_LAUNCH=0 sends every launch through Triton's own
+path; scripts/host_profile.py measures both and checks that they agree.
 """
 from __future__ import annotations
 
@@ -731,8 +732,8 @@ def deterministic() -> bool:
 def _key(kind: str, q, k, v, plans, is_causal, attn_mask, scale, dropout_p, seed, knobs,
          *more) -> tuple | None:
     """A program's key: what its launches depend on besides the data pointers (`_Launch`), i.e.
-    the inputs' shapes, strides, dtypes, devices and 16-byte alignment, the plans (by id, while
-    the program's entry holds them), the mask's layout, the dropout's, the scale, the knobs (by
+    the inputs' shapes, strides, dtypes, devices and 16-byte alignment, the plans (by id: an
+    entry goes when one of its plans does, `_Programs`), the mask's layout, the dropout's, the scale, the knobs (by
     id: tuning() returns one object until reloaded, and the program keeps it), the float32 matmul
     precision where it matters, the interpreter, and the Hopper path's entry points (tests
     replace them). None for arguments that are not tensors (`_call` says what is wrong)."""
