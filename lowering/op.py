@@ -214,9 +214,12 @@ def _register(name: str, tags: tuple):
         ctx.config = (segment_lengths, dilation_rates, hilbert, is_causal, dropout_p, scale,
                       lowering)
         ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)  # no zero gradient made for lse on every backward
 
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, attn_mask, seed, position_ids, seqused_k = ctx.saved_tensors
+        if dout is None:  # out was not used: no gradient reaches q, k, v
+            return (None,) * 14
         segment_lengths, dilation_rates, hilbert, is_causal, dropout_p, scale, lowering = \
             ctx.config
         dq, dk, dv = backward_op(dout.contiguous(), q, k, v, out, lse, segment_lengths,
