@@ -256,6 +256,50 @@ def op_for(nq: int, nk: int, has_position_ids: bool, has_seqused_k: bool):
     return torch.ops.hilbert_fx.dilated_attention.default
 
 
+# The checks of a call, by everything they read (shapes, dtypes, devices, flags and numbers with
+# their types, autocast's state): a model calls the op with the same arguments layer after layer
+# and step after step, and checking them costs more host time than launching the kernels.
+_checked_calls: dict = {}
+
+
+def _call_key(q, k, v, attn_mask, position_ids, cu_seqlens, seqused_k, segment_lengths,
+              dilation_rates, hilbert, is_causal, enable_gqa, dropout_p, scale, lowering):
+    """A hashable key of what the checks read, or None where a call is checked every time."""
+    tensors = (q, k, v, attn_mask, position_ids, cu_seqlens, seqused_k)
+    if not all(t is None or type(t) is Tensor for t in tensors):
+        return None
+    if not (isinstance(segment_lengths, (list, tuple)) and isinstance(dilation_rates, (list, tuple))):
+        return None
+    try:
+        return (tuple(None if t is None else (t.shape, t.dtype, t.device, t.requires_grad)
+                      for t in tensors),
+                tuple((type(x), x) for x in segment_lengths),
+                tuple((type(x), x) for x in dilation_rates),
+                tuple((type(x), x) for x in (hilbert, is_causal, enable_gqa, dropout_p, scale,
+                                              lowering)),
+                torch.is_autocast_enabled(q.device.type) if q.device.type in ("cpu", "cuda")
+                else None)
+    except TypeError:  # an unhashable argument: checked as it is
+        return None
+
+
+def _check_call(q, k, v, attn_mask, position_ids, cu_seqlens, seqused_k, segment_lengths,
+                dilation_rates, hilbert, is_causal, enable_gqa, dropout_p, scale, lowering):
+    """The front's checks (ValueError naming the argument); returns the resolved arguments."""
+    hilbert, is_causal, enable_gqa = check_flags(hilbert=hilbert, is_causal=is_causal,
+                                                 enable_gqa=enable_gqa).values()
+    segment_lengths, dilation_rates = check_branches(segment_lengths, dilation_rates)
+    check_lowering(lowering)
+    reason = problem(q, k, v, attn_mask, is_causal=is_causal, dropout_p=dropout_p,
+                     enable_gqa=enable_gqa, scale=scale, position_ids=position_ids,
+                     cu_seqlens=cu_seqlens, seqused_k=seqused_k)
+    if reason:
+        raise ValueError(reason)
+    scale = 1.0 / math.sqrt(max(q.shape[-1], 1)) if scale is None else float(scale)
+    return (list(segment_lengths), list(dilation_rates), hilbert, is_causal, scale,
+            resolve_lowering(lowering, q.device))
+
+
 def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation_rates, *,
                       hilbert: bool = False, is_causal: bool = False,
                       attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
@@ -283,17 +327,18 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
                                          is_causal=is_causal, attn_mask=attn_mask,
                                          dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
                                          lowering=lowering, mesh=mesh)
-    hilbert, is_causal, enable_gqa = check_flags(hilbert=hilbert, is_causal=is_causal,
-                                                 enable_gqa=enable_gqa).values()
-    segment_lengths, dilation_rates = check_branches(segment_lengths, dilation_rates)
-    check_lowering(lowering)
-    reason = problem(q, k, v, attn_mask, is_causal=is_causal, dropout_p=dropout_p,
-                     enable_gqa=enable_gqa, scale=scale, position_ids=position_ids,
-                     cu_seqlens=cu_seqlens, seqused_k=seqused_k)
-    if reason:
-        raise ValueError(reason)
-    scale = 1.0 / math.sqrt(max(q.shape[-1], 1)) if scale is None else float(scale)
-    resolved = resolve_lowering(lowering, q.device)
+    key = _call_key(q, k, v, attn_mask, position_ids, cu_seqlens, seqused_k, segment_lengths,
+                    dilation_rates, hilbert, is_causal, enable_gqa, dropout_p, scale, lowering)
+    checked = _checked_calls.get(key) if key is not None else None
+    if checked is None:
+        checked = _check_call(q, k, v, attn_mask, position_ids, cu_seqlens, seqused_k,
+                              segment_lengths, dilation_rates, hilbert, is_causal, enable_gqa,
+                              dropout_p, scale, lowering)
+        if key is not None:
+            if len(_checked_calls) > 256:
+                _checked_calls.clear()
+            _checked_calls[key] = checked
+    segment_lengths, dilation_rates, hilbert, is_causal, scale, resolved = checked
     seed = new_seed(q.device) if dropout_p > 0.0 else None
     b, nk = q.shape[0], k.shape[2]
     if cu_seqlens is not None:
@@ -306,6 +351,6 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
             raise ValueError(f"seqused_k must lie in [0, Nk] = [0, {nk}], got {seqused_k.tolist()}")
         seqused_k = seqused_k.to(device=q.device, dtype=torch.int64)
     op = op_for(q.shape[2], nk, position_ids is not None, seqused_k is not None)
-    out, _ = op(q, k, v, list(segment_lengths), list(dilation_rates), hilbert, is_causal,
-                attn_mask, float(dropout_p), seed, scale, resolved, position_ids, seqused_k)
+    out, _ = op(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
+                float(dropout_p), seed, scale, resolved, position_ids, seqused_k)
     return out
