@@ -127,7 +127,7 @@ def graph_time(fn, reps=20):
 
 
 def packed(out, device):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention, or_masks
     n, h, d = sum(DOCS), 16, 128
     w, r = BRANCHES
     pos = torch.cat([torch.arange(x) for x in DOCS]).to(device)
@@ -161,8 +161,15 @@ def packed(out, device):
             c = c + sel.to(torch.int32)
         return c
 
-    def mask_mod(b, hd, qi, ki):
-        return count(hd, qi, ki) > 0
+    def branch_mod(wi, ri, cls):
+        def mod(b, hd, qi, ki):
+            sel = (doc[qi] == doc[ki]) & (ki <= qi) & (pos[qi] // wi == pos[ki] // wi)
+            return sel & (cls[pos[qi] % wi] == hd % ri) & (cls[pos[ki] % wi] == hd % ri)
+        return mod
+
+    # the block mask from boolean masks alone (a count summed in create_block_mask's trace made
+    # it materialise the whole N x N grid)
+    mask_mod = or_masks(*(branch_mod(wi, ri, cls) for wi, ri, cls in zip(w, r, classes)))
 
     def score_mod(score, b, hd, qi, ki):
         return score + torch.log(count(hd, qi, ki).clamp(min=1).to(score.dtype))
