@@ -78,3 +78,17 @@ class EncoderDecoder(nn.Module):
         memory = self.encoder(src)
         x = tgt + self.self_attn(tgt)
         return x + self.cross_attn(x, memory)
+
+
+def recording_backend(segment_lengths, dilation_rates):
+    """The configured backend (Hilbert order, SDPA lowering) keeping what the pass did to each
+    graph, without Inductor: tests read its sites and run the rewritten graphs as they are."""
+    import hilbert_fx
+    be = hilbert_fx.backend(segment_lengths, dilation_rates, hilbert=True, lowering="sdpa")
+    be.compile_with_inductor = False
+    be.keep_records = True
+    return be
+
+
+def recorded_sites(be):
+    return [s for record in be.records for s in record.sites]

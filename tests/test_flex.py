@@ -15,21 +15,11 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import hilbert_fx
+from models import recorded_sites, recording_backend  # noqa: E402
 from reference import reference_dilated_attention, reference_sequences
 
 W, R = (8, 16), (1, 2)
 B, H, N, D = 2, 4, 40, 8
-
-
-def backend():
-    be = hilbert_fx.backend(W, R, hilbert=True, lowering="sdpa")
-    be.compile_with_inductor = False
-    be.keep_records = True
-    return be
-
-
-def sites(be):
-    return [s for record in be.records for s in record.sites]
 
 
 def qkv(x, kv_heads=H):
@@ -40,9 +30,9 @@ def qkv(x, kv_heads=H):
 
 def run(fn, *args):
     torch._dynamo.reset()
-    be = backend()
+    be = recording_backend(W, R)
     out = torch.compile(fn, backend=be)(*args)
-    return out, sites(be)
+    return out, recorded_sites(be)
 
 
 def by_document(x, doc, causal, kv_heads=H):
@@ -161,11 +151,11 @@ def test_transformers_flex_attention_padded_rows_equal_each_row_alone():
         ids[b, 40 - row.shape[1]:], mask[b, 40 - row.shape[1]:] = row[0], 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     torch._dynamo.reset()
-    be = backend()
+    be = recording_backend(W, R)
     compiled = torch.compile(model, backend=be)
     with torch.no_grad():
         batch = compiled(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
-        batch_sites = sites(be)
+        batch_sites = recorded_sites(be)
         for b, row in enumerate(rows):
             alone = compiled(input_ids=row).logits[0]
             torch.testing.assert_close(batch[b][mask[b].bool()], alone, atol=2e-5, rtol=1e-4)

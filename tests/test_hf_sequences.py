@@ -20,6 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import hilbert_fx  # noqa: E402
+from models import recorded_sites, recording_backend  # noqa: E402
 
 W, R = (8, 16), (1, 2)
 VOCAB, LAYERS = 96, 2
@@ -48,21 +49,9 @@ def model_of(family):
     return FAMILIES[family]().eval()
 
 
-def recording_backend():
-    """The configured backend, keeping what the pass did to each graph, without Inductor."""
-    be = hilbert_fx.backend(W, R, hilbert=True, lowering="sdpa")
-    be.compile_with_inductor = False
-    be.keep_records = True
-    return be
-
-
-def sites(be):
-    return [s for record in be.records for s in record.sites]
-
-
 def described(be):
     return [(s.kind, s.module, s.action, s.reason,
-             s.sequences.what if s.sequences is not None else "") for s in sites(be)]
+             s.sequences.what if s.sequences is not None else "") for s in recorded_sites(be)]
 
 
 def tokens(n, seed):
@@ -83,7 +72,7 @@ def test_packed_documents_equal_each_document_alone(family):
     packed_batch = collate([{"input_ids": d[0].tolist()} for d in docs])
     alone_batches = [collate([{"input_ids": d[0].tolist()}]) for d in docs]
     torch._dynamo.reset()
-    be = recording_backend()
+    be = recording_backend(W, R)
     compiled = torch.compile(model, backend=be)
 
     def run(batch):
@@ -95,7 +84,7 @@ def test_packed_documents_equal_each_document_alone(family):
         return logits, torch.autograd.grad(loss, list(model.parameters()))
 
     packed, packed_grads = run(packed_batch)
-    packed_sites = sites(be)
+    packed_sites = recorded_sites(be)
     alone = [run(batch) for batch in alone_batches]
     torch.testing.assert_close(packed, torch.cat([a for a, _ in alone], 1), atol=ATOL, rtol=RTOL)
     for g, *parts in zip(packed_grads, *(grads for _, grads in alone)):
@@ -120,7 +109,7 @@ def test_packed_documents_under_gradient_checkpointing():
     ids = torch.cat(docs, 1)
     position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
     torch._dynamo.reset()
-    be = recording_backend()
+    be = recording_backend(W, R)
     compiled = torch.compile(model, backend=be)
 
     def run(x, p):
@@ -154,11 +143,11 @@ def test_padded_rows_equal_each_row_alone(family, side):
         ids[b, where], mask[b, where] = row[0], 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     torch._dynamo.reset()
-    be = recording_backend()
+    be = recording_backend(W, R)
     compiled = torch.compile(model, backend=be)
     with torch.no_grad():
         batch = compiled(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
-        batch_sites = sites(be)
+        batch_sites = recorded_sites(be)
         for b, row in enumerate(rows):
             alone = compiled(input_ids=row).logits[0]
             torch.testing.assert_close(batch[b][mask[b].bool()], alone, atol=ATOL, rtol=RTOL)
@@ -186,14 +175,14 @@ def test_generate_picks_the_argmax_of_full_forwards(family, cache, batch):
     for b, p in enumerate(prompts):
         ids[b, width - p.shape[1]:], mask[b, width - p.shape[1]:] = p[0], 1
     torch._dynamo.reset()
-    be = recording_backend()
+    be = recording_backend(W, R)
     hilbert_fx.compile_for_generate(model, backend=be)
     new = 20
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                              do_sample=False, cache_implementation=cache, eos_token_id=None,
                              return_dict_in_generate=True, output_logits=True)
-        generate_sites = sites(be)
+        generate_sites = recorded_sites(be)
         for b, p in enumerate(prompts):
             seq = torch.cat([p, out.sequences[b:b + 1, width:]], 1)
             for t in range(new):
@@ -218,7 +207,7 @@ def test_compiled_module_generate_runs_the_uncompiled_forward():
     reason compile_for_generate compiles model.forward)."""
     model = model_of("llama")
     torch._dynamo.reset()
-    be = recording_backend()
+    be = recording_backend(W, R)
     with torch.no_grad():
         torch.compile(model, backend=be).generate(tokens(9, 5), max_new_tokens=3, do_sample=False)
     assert be.records == []
@@ -230,12 +219,12 @@ def test_static_cache_mask_built_by_generate_is_reported():
     site as it is."""
     model = model_of("llama")
     torch._dynamo.reset()
-    be = recording_backend()
+    be = recording_backend(W, R)
     model.forward = torch.compile(model.forward, backend=be)
     with torch.no_grad():
         model.generate(tokens(9, 5), max_new_tokens=3, do_sample=False,
                        cache_implementation="static")
-    decoding = [s for s in sites(be) if example_length(s) == 1]
+    decoding = [s for s in recorded_sites(be) if example_length(s) == 1]
     assert decoding and all(s.action == "skipped" and "input of the compiled graph" in s.reason
                             for s in decoding), described(be)
 
