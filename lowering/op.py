@@ -55,10 +55,10 @@ def _decode_module(lowering: str, q: Tensor):
     return decode
 
 
-def _rows_of(q: Tensor, k: Tensor, segment_lengths, hilbert: bool, position_ids, seqused_k):
+def _rows_of(q: Tensor, k: Tensor, position_ids, seqused_k):
     """How the queries meet the sequences (SPEC section 5): None for plain rows (section 2),
-    ("packed", plans) when the queries are the key rows of `position_ids`' sequences, or
-    ("cache", Cache) for queries that continue cached sequences."""
+    ("packed", positions [B, N]) when the queries are the key rows of `position_ids`'
+    sequences, or ("cache", Cache) for queries that continue cached sequences."""
     b, nq, nk = q.shape[0], q.shape[2], k.shape[2]
     if seqused_k is None and nq == nk:
         return None if position_ids is None else ("packed", position_ids.expand(b, nk))
@@ -67,9 +67,8 @@ def _rows_of(q: Tensor, k: Tensor, segment_lengths, hilbert: bool, position_ids,
 
 def _forward(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p,
              seed, scale, lowering, position_ids, seqused_k):
-    """(out, lse) in the compute dtype; every path of the forward, so that the backward of the
-    decode path can differentiate it."""
-    rows = _rows_of(q, k, segment_lengths, hilbert, position_ids, seqused_k)
+    """(out, lse) in the compute dtype: plain rows, packed rows, or queries against a cache."""
+    rows = _rows_of(q, k, position_ids, seqused_k)
     lower = _lowering_module(lowering)
     if rows is None:
         plans = branch_plans(q.shape[2], segment_lengths, dilation_rates, hilbert, q.device)
@@ -97,19 +96,25 @@ def _forward(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_
 
 
 def _at_rows(q: Tensor, rows: Tensor, n: int) -> Tensor:
-    """[B, H, Nq, D] placed at key rows `rows` [B, Nq] of a zero [B, H, n, D]."""
+    """[B, H, Nq, D] placed at key rows `rows` [B, Nq] of a zero [B, H, n, D]; a query outside
+    [0, n) (seqused_k below Nq) goes to a spare row that is dropped, never onto a real one."""
     b, h, nq, d = q.shape
-    full = q.new_zeros(b, h, n, d)
-    index = rows.clamp(0, n - 1).view(b, 1, nq, 1).expand(b, h, nq, d)
-    return full.scatter(2, index, q)
+    full = q.new_zeros(b, h, n + 1, d)
+    inside = (rows >= 0) & (rows < n)
+    index = torch.where(inside, rows, n).view(b, 1, nq, 1).expand(b, h, nq, d)
+    return full.scatter(2, index, q)[:, :, :n]
 
 
 def _from_rows(x: Tensor, rows: Tensor) -> Tensor:
-    """Rows `rows` [B, Nq] of x [B, H, N, ...]."""
-    b, h = x.shape[:2]
+    """Rows `rows` [B, Nq] of x [B, H, N, ...]; 0 for a row outside [0, N) (lse: -inf)."""
+    b, h, n = x.shape[:3]
     nq = rows.shape[1]
-    index = rows.clamp(min=0).view(b, 1, nq, *([1] * (x.dim() - 3)))
-    return x.gather(2, index.expand(b, h, nq, *x.shape[3:]))
+    shape = (b, 1, nq, *([1] * (x.dim() - 3)))
+    inside = ((rows >= 0) & (rows < n)).view(shape)
+    index = rows.clamp(0, n - 1).view(shape)
+    picked = x.gather(2, index.expand(b, h, nq, *x.shape[3:]))
+    empty = float("-inf") if x.dim() == 3 else 0.0
+    return picked.masked_fill(~inside, empty)
 
 
 def _op_forward(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[int],
@@ -160,7 +165,7 @@ def _op_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse
 
 def _backward_in(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert, is_causal,
                  attn_mask, dropout_p, seed, scale, lowering, position_ids, seqused_k):
-    rows = _rows_of(q, k, segment_lengths, hilbert, position_ids, seqused_k)
+    rows = _rows_of(q, k, position_ids, seqused_k)
     lower = _lowering_module(lowering)
     if rows is None:
         plans = branch_plans(q.shape[2], segment_lengths, dilation_rates, hilbert, q.device)

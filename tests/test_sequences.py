@@ -533,3 +533,25 @@ def test_error_cu_seqlens_sequence_across_rows_names_cu_seqlens():
     passed (cu_seqlens), not the position_ids the front derives from it."""
     q, k, v = _qkv(B=2, Nq=6, Nk=6)
     _raises("cu_seqlens", q, k, v, cu_seqlens=torch.tensor([0, 4, 8, 12], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("nq", [3, 20], ids=["decode_path", "rows_path"])
+def test_cache_shorter_than_the_queries_gives_zero_rows(nq):
+    """seqused_k below Nq: the queries before the sequence's first row get 0 (and no gradient),
+    and never take the place of a real query (the chunk path places queries at their rows)."""
+    torch.manual_seed(3)
+    q = torch.randn(2, 2, nq, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 30, 8, dtype=torch.float64, requires_grad=True)
+    used = torch.tensor([nq - 2, 30])
+    out = hilbert_fx.dilated_attention(q, k, k, (8, 16), (1, 2), hilbert=True, is_causal=True,
+                                       seqused_k=used, lowering="sdpa")
+    g = torch.randn_like(out)
+    out.backward(g)
+    qd, kd = (x.detach().clone().requires_grad_() for x in (q, k))
+    ref = reference_sequences(qd, kd, kd, (8, 16), (1, 2), hilbert=True, is_causal=True,
+                              seqused_k=used)
+    ref.backward(g)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    assert torch.equal(out[0, :, :2], torch.zeros_like(out[0, :, :2]))
+    torch.testing.assert_close(q.grad, qd.grad, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(k.grad, kd.grad, atol=1e-10, rtol=1e-10)
