@@ -44,7 +44,7 @@ def _empty(q: Tensor, v: Tensor) -> bool:
     return b * hq * n * v.shape[-1] == 0
 
 
-def _decode_module(lowering: str, q: Tensor):
+def _decode_module(lowering: str):
     """The Triton decode kernel where the Triton lowering runs, else decode.py's torch ops."""
     if lowering == "triton":
         try:
@@ -76,7 +76,7 @@ def _forward(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_
                              scale=scale, dropout_p=dropout_p, seed=seed)
     kind, what = rows
     if kind == "cache" and q.shape[2] <= sequences.DECODE_MAX_QUERIES:
-        return _decode_module(lowering, q).decode_forward(
+        return _decode_module(lowering).decode_forward(
             q, k, v, what.key_positions, what.query_rows, segment_lengths, dilation_rates,
             hilbert, scale)
     b = q.shape[0]
