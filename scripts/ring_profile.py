@@ -32,6 +32,8 @@ def parse_args(argv=None):
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--tokens-per-gpu", type=int, default=65536)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--trace", action="store_true",
+                   help="also write each rank's Chrome trace of one call per mode to OUT")
     return p.parse_args(argv)
 
 
@@ -92,6 +94,15 @@ def run(rank, world, port, args):
                     call(causal, backward)
                 torch.cuda.synchronize()
             dist.barrier()
+            if args.trace:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as one:
+                    call(causal, backward)
+                    torch.cuda.synchronize()
+                os.makedirs(args.out, exist_ok=True)
+                one.export_chrome_trace(os.path.join(
+                    args.out, f"trace_rank{rank}_{'causal' if causal else 'full'}_"
+                              f"{'fwdbwd' if backward else 'fwd'}.json"))
+                dist.barrier()
             if rank != 0:
                 continue
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
