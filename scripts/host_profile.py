@@ -21,7 +21,7 @@ cached launches compute what Triton's own path computes, on inputs at other addr
 first call's and on new inputs at freed addresses (forward bitwise; gradients to rounding, as
 the Hopper backward adds dq by atomics). A line per case says "ok" or what differs; if the
 check fails, it is run again without the Hopper kernels' kept tensor maps
-(triton_lowering.TENSOR_MAPS), and the timing runs with what passed, or with
+(triton_launch.TENSOR_MAPS), and the timing runs with what passed, or with
 HILBERT_FX_FAST_LAUNCH=0 if nothing did. --check-extra adds a boolean mask with dropout and
 transposed GQA inputs with a dO the Hopper backward must copy (more kernels to compile).
 
@@ -268,6 +268,18 @@ def checks(args, lw, tuning_mod, device) -> bool:
     return ok
 
 
+def keep_tensor_maps(lw, on: bool) -> None:
+    """Whether the Hopper kernels' launches keep their tensor maps by address: TENSOR_MAPS of
+    the lowering's triton_launch module (of triton_lowering itself in copies of lowering/ from
+    before that module)."""
+    package = lw.__name__.rsplit(".", 1)[0]
+    try:
+        launches = importlib.import_module(package + ".triton_launch")
+    except ImportError:
+        launches = lw
+    launches.TENSOR_MAPS = on
+
+
 def checked_launches(args, lw, tuning_mod) -> None:
     """Runs the checks in a child process (a fault there, such as an illegal address, must not
     end this one); if they fail with the Hopper kernels' tensor maps kept by address, again
@@ -283,7 +295,7 @@ def checked_launches(args, lw, tuning_mod) -> None:
         if done.returncode == 0:
             print(f"checks passed: timing {what}\n", flush=True)
             if extra:
-                lw.TENSOR_MAPS = False
+                keep_tensor_maps(lw, False)
             return
         print(f"checks FAILED for {what} (exit {done.returncode}):\n{done.stderr[-3000:]}",
               flush=True)
@@ -528,7 +540,7 @@ def main():
     args = ap.parse_args()
     if args.check_only:  # the child process of checked_launches
         from hilbert_fx.lowering import triton_lowering, tuning
-        triton_lowering.TENSOR_MAPS = not args.no_tensor_maps
+        keep_tensor_maps(triton_lowering, not args.no_tensor_maps)
         device = torch.device("cuda")
         ok = checks(args, triton_lowering, tuning, device)
         if args.check_extra:

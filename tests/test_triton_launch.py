@@ -1,6 +1,6 @@
-"""The Triton lowering's launch path without Python per call (lowering/triton_lowering.py,
-"Launches"): programs built once per configuration, launches that reuse what the first one
-bound, the Hopper kernels' tensor maps kept by address.
+"""The Triton lowering's launch path without Python per call (lowering/triton_launch.py; the
+programs of lowering/triton_lowering.py): programs built once per configuration, launches that
+reuse what the first one bound, the Hopper kernels' tensor maps kept by address.
 
 No GPU here: kernels are stand-ins that record what they are launched with. A stand-in's first
 launch goes through `kernel[grid](...)` as Triton's JITFunction.run would (arguments bound in
@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from hilbert_fx.lowering import gluon_forward, triton_lowering, tuning  # noqa: E402
+from hilbert_fx.lowering import gluon_forward, triton_launch, triton_lowering, tuning  # noqa: E402
 from hilbert_fx.lowering.plans import branch_plans  # noqa: E402
-from hilbert_fx.lowering.triton_lowering import Q, K, V, OUT, ACC, LSE, NUM_SLOTS  # noqa: E402
+from hilbert_fx.lowering.triton_launch import Q, K, V, OUT, ACC, LSE, NUM_SLOTS  # noqa: E402
 
 # ----------------------------------------------------------------------------- stand-ins
 
@@ -113,7 +113,7 @@ def _descriptor_launch(kernel_wrapped=True):
     args = [gluon_forward.Descriptor(s, 2, [32, 64]) for s in (Q, K, V)] + [OUT, ACC, LSE, 0.5, 7]
     names = ["Qx", "Kx", "Vx", "Out", "Acc", "Lse", "scale", "n", "FIRST", "num_warps"]
     kernel = Kernel(names, descriptor_positions=(0, 1, 2), wrapped=kernel_wrapped)
-    return kernel, triton_lowering._Launch(kernel, args, dict(FIRST=True, num_warps=4), (3, 2, 1))
+    return kernel, triton_launch.Launch(kernel, args, dict(FIRST=True, num_warps=4), (3, 2, 1))
 
 
 # ----------------------------------------------------------------------------- launches
@@ -133,7 +133,7 @@ def test_cached_launch_passes_what_binding_would(wrapped):
     assert kernel.bound == 1 and launch.fast is not None
     for bufs in (first, _bufs(), first):
         launch(bufs, 0)
-        triton_lowering._Launch(reference, launch.args, launch.kwargs, launch.grid)(bufs, 0)
+        triton_launch.Launch(reference, launch.args, launch.kwargs, launch.grid)(bufs, 0)
         got, want = kernel.calls[-1], reference.calls[-1]
         assert len(got) == len(want)
         for a, b in zip(got, want):
@@ -171,26 +171,26 @@ def test_no_cached_launch_without_a_stream():
     for _ in range(3):
         launch(bufs, None)
     assert kernel.bound == 3 and launch.fast is None
-    assert triton_lowering._fast_launch(kernel, None, launch.args, launch.kwargs, (1,),
-                                        bufs) is None
+    assert triton_launch._fast_launch(kernel, None, launch.args, launch.kwargs, (1,),
+                                      bufs) is None
 
 
 def test_stream_refuses_hooks_and_the_knob():
     import triton
     knobs = tuning.tuning()
-    assert triton_lowering._stream(torch.device("cpu"), knobs) == 0
+    assert triton_launch.launch_stream(torch.device("cpu"), knobs) == 0
     off = tuning.Tuning(**{**knobs.__dict__, "fast_launch": False})
-    assert triton_lowering._stream(torch.device("cpu"), off) is None
+    assert triton_launch.launch_stream(torch.device("cpu"), off) is None
     hooks = triton.knobs.runtime.launch_enter_hook  # a chain of hooks (Triton 3.6 on)
 
     def noop(*args):
         return None
     hooks.add(noop)
     try:
-        assert triton_lowering._stream(torch.device("cpu"), knobs) is None
+        assert triton_launch.launch_stream(torch.device("cpu"), knobs) is None
     finally:
         hooks.remove(noop)
-    assert triton_lowering._stream(torch.device("cpu"), knobs) == 0
+    assert triton_launch.launch_stream(torch.device("cpu"), knobs) == 0
 
 
 # ----------------------------------------------------------------------------- programs
