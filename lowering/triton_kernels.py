@@ -15,7 +15,9 @@ FlashAttention-2 kernels that read q, k, v where they lie (no gathered copies), 
   pay for the structural masks. Causal attention over an ascending set is a lower triangle
   over member indices, so tiles above the diagonal are never visited.
 - Dropout keeps entry (b, h, p, p') when lowbias32 hashes of (seed, b, h, p, p') say so:
-  exactly lowering/dropout.py's keep_mask, in uint32 arithmetic.
+  exactly lowering/dropout.py's keep_mask, in uint32 arithmetic. Under ROWS the hash takes
+  Rows[p], Rows[p'] instead of the rows p, p' (the global positions that a ring's rows stand
+  for, `dropout_rows`); otherwise Rows is never read.
 - A set may hold fewer members than the plan's set size in any segment, or none (Cnt 0: every
   program of it returns at once), and some rows may be in no set (padding of packed sequences):
   the kernels never assume a set is whole or that a branch covers every row; the launcher
@@ -25,7 +27,7 @@ Positional parameters. The three branch kernels take their own buffers first, th
 run of operands, built by lowering/triton_lowering.py's Call.operands, then their own scalars
 (only _bwd_dkdv_kernel's NUM_CLASSES) and the compile-time arguments by name:
 
-    Q, K, V, [DO,] Pos, Cnt, Mask, Seed,
+    Q, K, V, [DO,] Pos, Cnt, Mask, Seed, Rows,
     strides (batch, head, row, column) of Q, K, V, [DO,] and of Mask broadcast to [B, H, N, N],
     strides of Pos [r, S, >= w / r] (offset, segment, member) and of Cnt [r, S],
     H (query heads), HKV (key/value heads), N (rows), GROUP = H // HKV,
@@ -58,6 +60,17 @@ def _query_hash(Seed, b, h, pos_q):
     seed = tl.load(Seed).to(tl.uint32)
     x = _mix32(seed ^ _mix32(((b << 16) + h).to(tl.uint32)))
     return _mix32(x ^ pos_q.to(tl.uint32))
+
+
+@triton.jit
+def _dropout_positions(Rows, pos, ROWS: tl.constexpr):
+    """The positions dropout hashes for rows `pos` (always real rows: no load mask): Rows[pos]
+    under ROWS, else the rows themselves."""
+    if ROWS:
+        hashed = tl.load(Rows + pos)
+    else:
+        hashed = pos
+    return hashed
 
 
 @triton.jit
@@ -139,12 +152,12 @@ def _masked_scores(s, M_base, pos_q, pos_k, stride_mq, stride_mk, MASK_KIND: tl.
 def _fwd_tiles(acc, l_i, m_i, q, pos_m, offs_m, qhash, lo, hi,
                K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                Pos, set_base, stride_pm, first, R, count, M_base, stride_mq, stride_mk,
-               qk_scale, keep_threshold,
+               qk_scale, keep_threshold, Rows,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
                CAUSAL: tl.constexpr, STRIDED: tl.constexpr, MASK_KIND: tl.constexpr,
-               DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-               NONNEG_SCALE: tl.constexpr):
+               DROPOUT: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr,
+               PRECISION: tl.constexpr, NONNEG_SCALE: tl.constexpr):
     """Online softmax of one query tile over the key members [lo, hi) of its set."""
     pos_next = _set_positions(Pos, set_base, stride_pm, first, R, lo + tl.arange(0, BLOCK_N),
                               count, STRIDED)
@@ -175,7 +188,9 @@ def _fwd_tiles(acc, l_i, m_i, q, pos_m, offs_m, qhash, lo, hi,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:  # the denominator counts every probability, the numerator only kept ones
-            p = tl.where(_keep(qhash[:, None], pos_n[None, :], keep_threshold), p, 0.0)
+            keep = _keep(qhash[:, None], _dropout_positions(Rows, pos_n, ROWS)[None, :],
+                         keep_threshold)
+            p = tl.where(keep, p, 0.0)
         v = _load_rows(V_base, pos_n, stride_vn, stride_vd, key_ok, HEAD_DIM_V, BLOCK_DV, EDGE,
                        UPCAST)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -185,7 +200,7 @@ def _fwd_tiles(acc, l_i, m_i, q, pos_m, offs_m, qhash, lo, hi,
 
 @triton.jit
 def _fwd_kernel(Out, Acc, Lse,
-                Q, K, V, Pos, Cnt, Mask, Seed,
+                Q, K, V, Pos, Cnt, Mask, Seed, Rows,
                 stride_qb, stride_qh, stride_qn, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
@@ -196,8 +211,9 @@ def _fwd_kernel(Out, Acc, Lse,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 STRIDED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-                DROPOUT: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr, NONNEG_SCALE: tl.constexpr):
+                DROPOUT: tl.constexpr, ROWS: tl.constexpr, FIRST: tl.constexpr,
+                LAST: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                NONNEG_SCALE: tl.constexpr):
     """One branch, one program per (query tile, batch * head, segment).
 
     Computes the branch's attention for the tile's query rows and merges it by log-sum-exp
@@ -221,7 +237,7 @@ def _fwd_kernel(Out, Acc, Lse,
     V_base = V + b64 * stride_vb + g64 * stride_vh
     M_base = Mask + b64 * stride_mb + h64 * stride_mh
     if DROPOUT:
-        qhash = _query_hash(Seed, b, h, pos_m)
+        qhash = _query_hash(Seed, b, h, _dropout_positions(Rows, pos_m, ROWS))
     else:
         qhash = pos_m.to(tl.uint32)
 
@@ -237,15 +253,15 @@ def _fwd_kernel(Out, Acc, Lse,
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, pos_m, offs_m, qhash, 0, lo, K_base, V_base,
         stride_kn, stride_kd, stride_vn, stride_vd, Pos, set_base, stride_pm, first, R, count,
-        M_base, stride_mq, stride_mk, qk_scale, keep_threshold,
+        M_base, stride_mq, stride_mk, qk_scale, keep_threshold, Rows,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, CAUSAL, STRIDED, MASK_KIND,
-        DROPOUT, UPCAST, PRECISION, NONNEG_SCALE)
+        DROPOUT, ROWS, UPCAST, PRECISION, NONNEG_SCALE)
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, pos_m, offs_m, qhash, lo, hi, K_base, V_base,
         stride_kn, stride_kd, stride_vn, stride_vd, Pos, set_base, stride_pm, first, R, count,
-        M_base, stride_mq, stride_mk, qk_scale, keep_threshold,
+        M_base, stride_mq, stride_mk, qk_scale, keep_threshold, Rows,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, CAUSAL, STRIDED, MASK_KIND,
-        DROPOUT, UPCAST, PRECISION, NONNEG_SCALE)
+        DROPOUT, ROWS, UPCAST, PRECISION, NONNEG_SCALE)
 
     # This branch's result: o (normalised) and its log-sum-exp, -inf for rows with no key.
     empty = l_i == 0.0
@@ -313,17 +329,18 @@ def _bwd_preprocess(Out, DO, Lse, Delta, Lse2, DQ,
 
 
 @triton.jit
-def _bwd_dkdv_tiles(dk, dv, k, v, pos_n, offs_n, key_ok, lo, hi,
+def _bwd_dkdv_tiles(dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, lo, hi,
                     Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
                     Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
-                    M_base, stride_mq, stride_mk, Seed, b, h,
+                    M_base, stride_mq, stride_mk, Seed, Rows, b, h,
                     qk_scale, scale, keep_threshold, drop_scale,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, EDGE: tl.constexpr,
                     CAUSAL: tl.constexpr, STRIDED: tl.constexpr, MASK_KIND: tl.constexpr,
-                    DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, UPCAST: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    """dK, dV of one key tile from the query members [lo, hi) of one head (transposed tiles).
+                    DROPOUT: tl.constexpr, ROWS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """dK, dV of one key tile from the query members [lo, hi) of one head (transposed tiles;
+    drop_n: the positions dropout hashes for the key rows, _dropout_positions).
     EDGE ranges (a causal diagonal, a set's last partial tile) are not software-pipelined: the
     pipelined copy of the loop held registers the main loop's tiles needed (fewer spills)."""
     pos_next = _set_positions(Pos, set_base, stride_pm, first, R, lo + tl.arange(0, BLOCK_M),
@@ -348,7 +365,8 @@ def _bwd_dkdv_tiles(dk, dv, k, v, pos_n, offs_n, key_ok, lo, hi,
                         UPCAST)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         if DROPOUT:
-            keep_t = _keep(_query_hash(Seed, b, h, pos_m)[None, :], pos_n[:, None], keep_threshold)
+            qhash = _query_hash(Seed, b, h, _dropout_positions(Rows, pos_m, ROWS))
+            keep_t = _keep(qhash[None, :], drop_n[:, None], keep_threshold)
             pd_t = tl.where(keep_t, p_t * drop_scale, 0.0)
             dp_t = tl.where(keep_t, dp_t * drop_scale, 0.0)
         else:
@@ -366,8 +384,8 @@ def _bwd_dkdv_tiles(dk, dv, k, v, pos_n, offs_n, key_ok, lo, hi,
 
 
 @triton.jit
-def _bwd_dkdv_head(dk, dv, k, v, pos_n, offs_n, key_ok, start_n, count, h, b,
-                   Q, DO, DQ, Lse2, Delta, Mask, Seed,
+def _bwd_dkdv_head(dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, start_n, count, h, b,
+                   Q, DO, DQ, Lse2, Delta, Mask, Seed, Rows,
                    stride_qb, stride_qh, stride_qn, stride_qd,
                    stride_dob, stride_doh, stride_don, stride_dod, stride_mb, stride_mh,
                    stride_mq, stride_mk, H, N, Pos, set_base, stride_pm, first, R,
@@ -375,8 +393,8 @@ def _bwd_dkdv_head(dk, dv, k, v, pos_n, offs_n, key_ok, start_n, count, h, b,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, STRIDED: tl.constexpr, MASK_KIND: tl.constexpr,
-                   DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   DROPOUT: tl.constexpr, ROWS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Adds to dK, dV of one key tile what query head h's members of the set give."""
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
@@ -390,29 +408,29 @@ def _bwd_dkdv_head(dk, dv, k, v, pos_n, offs_n, key_ok, start_n, count, h, b,
     if CAUSAL:  # queries from the key tile's diagonal on: the diagonal tiles masked
         lo = start_n + BLOCK_N
         dk, dv = _bwd_dkdv_tiles(
-            dk, dv, k, v, pos_n, offs_n, key_ok, start_n, tl.minimum(lo, count),
+            dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, start_n, tl.minimum(lo, count),
             Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
             Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
-            M_base, stride_mq, stride_mk, Seed, b, h, qk_scale, scale, keep_threshold,
+            M_base, stride_mq, stride_mk, Seed, Rows, b, h, qk_scale, scale, keep_threshold,
             drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL,
-            STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
+            STRIDED, MASK_KIND, DROPOUT, ROWS, ATOMIC_DQ, UPCAST, PRECISION)
     else:
         lo = 0
     full = count // BLOCK_M * BLOCK_M
     dk, dv = _bwd_dkdv_tiles(
-        dk, dv, k, v, pos_n, offs_n, key_ok, lo, full,
+        dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, lo, full,
         Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
         Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
-        M_base, stride_mq, stride_mk, Seed, b, h, qk_scale, scale, keep_threshold,
+        M_base, stride_mq, stride_mk, Seed, Rows, b, h, qk_scale, scale, keep_threshold,
         drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False, CAUSAL,
-        STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
+        STRIDED, MASK_KIND, DROPOUT, ROWS, ATOMIC_DQ, UPCAST, PRECISION)
     dk, dv = _bwd_dkdv_tiles(
-        dk, dv, k, v, pos_n, offs_n, key_ok, tl.maximum(full, lo), count,
+        dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, tl.maximum(full, lo), count,
         Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
         Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
-        M_base, stride_mq, stride_mk, Seed, b, h, qk_scale, scale, keep_threshold,
+        M_base, stride_mq, stride_mk, Seed, Rows, b, h, qk_scale, scale, keep_threshold,
         drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL,
-        STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
+        STRIDED, MASK_KIND, DROPOUT, ROWS, ATOMIC_DQ, UPCAST, PRECISION)
     return dk, dv
 
 
@@ -444,7 +462,7 @@ def _add_rows(acc, Buf, Final, Seen, seen_base, head_row, pos, row_ok, DIM: tl.c
 
 @triton.jit
 def _bwd_dkdv_kernel(DK, DV, DQ, DKO, DVO, Seen, Lse2, Delta,
-                     Q, K, V, DO, Pos, Cnt, Mask, Seed,
+                     Q, K, V, DO, Pos, Cnt, Mask, Seed, Rows,
                      stride_qb, stride_qh, stride_qn, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
@@ -457,8 +475,8 @@ def _bwd_dkdv_kernel(DK, DV, DQ, DKO, DVO, Seen, Lse2, Delta,
                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      STRIDED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-                     DROPOUT: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-                     ONE_HEAD: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                     DROPOUT: tl.constexpr, ROWS: tl.constexpr, FIRST: tl.constexpr,
+                     LAST: tl.constexpr, ONE_HEAD: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                      UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr):
     """One branch, one program per (key tile, batch * kv head * offset class, segment).
 
@@ -492,18 +510,19 @@ def _bwd_dkdv_kernel(DK, DV, DQ, DKO, DVO, Seen, Lse2, Delta,
                    HEAD_DIM, BLOCK_D, False, UPCAST)
     v = _load_rows(V + b64 * stride_vb + g64 * stride_vh, pos_n, stride_vn, stride_vd, key_ok,
                    HEAD_DIM_V, BLOCK_DV, False, UPCAST)
+    drop_n = _dropout_positions(Rows, pos_n, ROWS)  # read only under DROPOUT
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     # ONE_HEAD: a constant trip count of 1, which the compiler folds away (the loop's state
     # held registers the tiles needed)
     for i in range(0, 1 if ONE_HEAD else (GROUP - cls + R - 1) // R):
         dk, dv = _bwd_dkdv_head(
-            dk, dv, k, v, pos_n, offs_n, key_ok, start_n, count, h_first + i * R, b,
-            Q, DO, DQ, Lse2, Delta, Mask, Seed, stride_qb, stride_qh, stride_qn, stride_qd,
-            stride_dob, stride_doh, stride_don, stride_dod, stride_mb, stride_mh, stride_mq,
-            stride_mk, H, N, Pos, set_base, stride_pm, first, R, qk_scale, scale,
+            dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, start_n, count, h_first + i * R, b,
+            Q, DO, DQ, Lse2, Delta, Mask, Seed, Rows, stride_qb, stride_qh, stride_qn,
+            stride_qd, stride_dob, stride_doh, stride_don, stride_dod, stride_mb, stride_mh,
+            stride_mq, stride_mk, H, N, Pos, set_base, stride_pm, first, R, qk_scale, scale,
             keep_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-            BLOCK_N, CAUSAL, STRIDED, MASK_KIND, DROPOUT, ATOMIC_DQ, UPCAST, PRECISION)
+            BLOCK_N, CAUSAL, STRIDED, MASK_KIND, DROPOUT, ROWS, ATOMIC_DQ, UPCAST, PRECISION)
     head_row = bg.to(tl.int64) * N  # DK, DV, DKO, DVO: contiguous [B, HKV, N, *]
     _add_rows(dk * scale, DK, DKO, Seen, g64 * N, head_row, pos_n, key_ok, HEAD_DIM, BLOCK_D,
               FIRST, LAST, WIDE)
@@ -515,11 +534,12 @@ def _bwd_dkdv_kernel(DK, DV, DQ, DKO, DVO, Seen, Lse2, Delta,
 def _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, qhash, lo, hi,
                   K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                   Pos, set_base, stride_pm, first, R, count, M_base, stride_mq, stride_mk,
-                  qk_scale, keep_threshold, drop_scale,
+                  qk_scale, keep_threshold, drop_scale, Rows,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
                   CAUSAL: tl.constexpr, STRIDED: tl.constexpr, MASK_KIND: tl.constexpr,
-                  DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                  DROPOUT: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr,
+                  PRECISION: tl.constexpr):
     """dQ of one query tile from the key members [lo, hi) of its set."""
     pos_next = _set_positions(Pos, set_base, stride_pm, first, R, lo + tl.arange(0, BLOCK_N),
                               count, STRIDED)
@@ -543,7 +563,8 @@ def _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, qhash, lo, hi,
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         if DROPOUT:
-            keep = _keep(qhash[:, None], pos_n[None, :], keep_threshold)
+            keep = _keep(qhash[:, None], _dropout_positions(Rows, pos_n, ROWS)[None, :],
+                         keep_threshold)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
@@ -552,7 +573,7 @@ def _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, qhash, lo, hi,
 
 @triton.jit
 def _bwd_dq_kernel(DQ, DQO, Seen, Lse2, Delta,
-                   Q, K, V, DO, Pos, Cnt, Mask, Seed,
+                   Q, K, V, DO, Pos, Cnt, Mask, Seed, Rows,
                    stride_qb, stride_qh, stride_qn, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
@@ -564,8 +585,9 @@ def _bwd_dq_kernel(DQ, DQO, Seen, Lse2, Delta,
                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    STRIDED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-                   DROPOUT: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr):
+                   DROPOUT: tl.constexpr, ROWS: tl.constexpr, FIRST: tl.constexpr,
+                   LAST: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   WIDE: tl.constexpr):
     """One branch, one program per (query tile, batch * head, segment): adds dQ of its rows into
     DQ (float32; a LAST branch writes DQO in q's dtype instead, see _add_rows)."""
     bh, b, h, count, start_m, first, set_base, offs_m, row_ok, pos_m = _query_tile(
@@ -587,7 +609,7 @@ def _bwd_dq_kernel(DQ, DQO, Seen, Lse2, Delta,
     V_base = V + b64 * stride_vb + g64 * stride_vh
     M_base = Mask + b64 * stride_mb + h64 * stride_mh
     if DROPOUT:
-        qhash = _query_hash(Seed, b, h, pos_m)
+        qhash = _query_hash(Seed, b, h, _dropout_positions(Rows, pos_m, ROWS))
     else:
         qhash = pos_m.to(tl.uint32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -600,15 +622,15 @@ def _bwd_dq_kernel(DQ, DQO, Seen, Lse2, Delta,
     dq = _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, qhash, 0, lo,
                        K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                        Pos, set_base, stride_pm, first, R, count, M_base, stride_mq, stride_mk,
-                       qk_scale, keep_threshold, drop_scale,
+                       qk_scale, keep_threshold, drop_scale, Rows,
                        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, CAUSAL, STRIDED,
-                       MASK_KIND, DROPOUT, UPCAST, PRECISION)
+                       MASK_KIND, DROPOUT, ROWS, UPCAST, PRECISION)
     dq = _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, qhash, lo, hi,
                        K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                        Pos, set_base, stride_pm, first, R, count, M_base, stride_mq, stride_mk,
-                       qk_scale, keep_threshold, drop_scale,
+                       qk_scale, keep_threshold, drop_scale, Rows,
                        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, CAUSAL, STRIDED,
-                       MASK_KIND, DROPOUT, UPCAST, PRECISION)
+                       MASK_KIND, DROPOUT, ROWS, UPCAST, PRECISION)
     # DQ, DQO: contiguous [B, H, N, D]
     _add_rows(dq * scale, DQ, DQO, Seen, h64 * N, bh.to(tl.int64) * N, pos_m, row_ok, HEAD_DIM,
               BLOCK_D, FIRST, LAST, WIDE)

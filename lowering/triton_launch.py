@@ -45,10 +45,11 @@ class Slot:
         return f"Slot({self.name})"
 
 
-_SLOT_NAMES = ("q", "k", "v", "dout", "mask", "seed", "out", "acc", "lse", "out_in", "lse_in",
-               "delta", "lse2", "dq", "dk", "dv", "dq_final", "dk_final", "dv_final", "dout_g")
-(Q, K, V, DOUT, MASK, SEED, OUT, ACC, LSE, OUT_IN, LSE_IN, DELTA, LSE2, DQ, DK, DV, DQ_FINAL,
- DK_FINAL, DV_FINAL, DOUT_G) = (Slot(i, n) for i, n in enumerate(_SLOT_NAMES))
+_SLOT_NAMES = ("q", "k", "v", "dout", "mask", "seed", "dropout_rows", "out", "acc", "lse",
+               "out_in", "lse_in", "delta", "lse2", "dq", "dk", "dv", "dq_final", "dk_final",
+               "dv_final", "dout_g")
+(Q, K, V, DOUT, MASK, SEED, DROPOUT_ROWS, OUT, ACC, LSE, OUT_IN, LSE_IN, DELTA, LSE2, DQ, DK, DV,
+ DQ_FINAL, DK_FINAL, DV_FINAL, DOUT_G) = (Slot(i, n) for i, n in enumerate(_SLOT_NAMES))
 NUM_SLOTS = len(_SLOT_NAMES)
 
 # The tiles that ran, by kernel, first-choice tiles, device, dtype and compile-time arguments:

@@ -91,7 +91,8 @@ from .arguments import problem
 from .dropout import keep_threshold
 from .plans import BranchPlan
 from .triton_launch import (ACC, DELTA, DK, DK_FINAL, DOUT, DOUT_G, DQ, DQ_FINAL, DV, DV_FINAL,
-                            K, LSE, LSE2, LSE_IN, MASK, NUM_SLOTS, OUT, OUT_IN, Q, SEED, V,
+                            DROPOUT_ROWS, K, LSE, LSE2, LSE_IN, MASK, NUM_SLOTS, OUT, OUT_IN,
+                            Q, SEED, V,
                             Emulated, Launch, launch_stream)
 from .tuning import PlanCache, TileConfig, Tuning, fp32_precision, tile_config, tuning
 from .tuning import shrunk as _shrunk  # noqa: F401 - tests/test_op_exact.py imports it from here
@@ -206,14 +207,32 @@ def _mask_args(attn_mask, b: int, h: int, n: int, like: torch.Tensor):
     return m, 2, m.stride()
 
 
-def _dropout_args(dropout_p: float, seed, like: torch.Tensor):
+def _dropout_args(dropout_p: float, seed, dropout_rows, like: torch.Tensor):
+    """(seed, dropout, keep threshold, scale of kept entries, rows, ROWS): `like` stands for the
+    tensors a call without dropout, or without dropout_rows, does not pass."""
     if dropout_p <= 0.0:
-        return like, False, 0, 1.0
+        return like, False, 0, 1.0, like, False
     if seed is None:
         raise ValueError("dropout_p > 0 needs a seed (an int64 0-dim tensor)")
     if seed.device != like.device:
         seed = seed.to(like.device)
-    return seed.reshape(()), True, keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
+    args = seed.reshape(()), True, keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
+    if dropout_rows is None:
+        return (*args, like, False)
+    n = like.shape[2]
+    if not isinstance(dropout_rows, torch.Tensor):
+        got = type(dropout_rows).__name__
+    elif dropout_rows.dtype not in (torch.int32, torch.int64) or dropout_rows.shape != (n,):
+        got = f"{dropout_rows.dtype} of shape {tuple(dropout_rows.shape)}"
+    else:
+        return (*args, _on_device(dropout_rows, like.device), True)
+    raise ValueError(f"dropout_rows must be an int32 or int64 tensor of shape ({n},), one "
+                     f"position per row of q; got {got}")
+
+
+def _on_device(rows: torch.Tensor, device) -> torch.Tensor:
+    """dropout_rows as the kernels read it: on q's device, contiguous (one stride of 1)."""
+    return (rows if rows.device == device else rows.to(device)).contiguous()
 
 
 @dataclass(frozen=True)
@@ -257,6 +276,8 @@ class Call:
     dropout: bool
     threshold: int
     drop_scale: float
+    dropout_rows: torch.Tensor  # q when dropout hashes the rows themselves (never read)
+    hashes_rows: bool  # ROWS: dropout hashes dropout_rows[row], the position a row stands for
     scale: float
     is_causal: bool
     interpreted: bool
@@ -306,7 +327,7 @@ class Call:
         strides = [s for t in tensors for s in t.stride()]
         slots = [Q, K, V] + ([] if self.dout is None else [DOUT])
         return [*slots, br.pos, br.cnt, MASK if self.mask_kind else Q,
-                SEED if self.dropout else Q,
+                SEED if self.dropout else Q, DROPOUT_ROWS if self.hashes_rows else Q,
                 *strides, *self.mask_strides, *br.pos.stride(), *br.cnt.stride(),
                 self.hq, self.hkv, self.n, self.group, br.segment_length,
                 br.dilation_rate, self.scale * LOG2E, self.scale, self.threshold,
@@ -315,8 +336,8 @@ class Call:
     def constexprs(self, br: Branch, **own) -> dict:
         return dict(HEAD_DIM=self.d, HEAD_DIM_V=self.dv, BLOCK_D=_block_d(self.d),
                     BLOCK_DV=_block_d(self.dv), STRIDED=br.strided, CAUSAL=self.is_causal,
-                    MASK_KIND=self.mask_kind, DROPOUT=self.dropout, UPCAST=self.upcast,
-                    PRECISION=self.precision, **own)
+                    MASK_KIND=self.mask_kind, DROPOUT=self.dropout, ROWS=self.hashes_rows,
+                    UPCAST=self.upcast, PRECISION=self.precision, **own)
 
     def launch(self, kernel, args: list, constexprs: dict, cfg: TileConfig, grid_of,
                m_multiple_of_n: bool) -> Launch:
@@ -327,16 +348,17 @@ class Call:
                        m_multiple_of_n=m_multiple_of_n, cfg_key=key)
 
 
-def _call(q, k, v, attn_mask, dropout_p, seed, scale, is_causal, dout=None) -> Call:
+def _call(q, k, v, attn_mask, dropout_p, seed, dropout_rows, scale, is_causal,
+          dout=None) -> Call:
     interpreted = _check_device(q)
     _check_inputs(q, k, v)
     b, hq, n, _ = q.shape
     knobs = tuning()
     mask, mask_kind, mstrides = _mask_args(attn_mask, b, hq, n, q)
-    seed_t, dropout, threshold, drop_scale = _dropout_args(dropout_p, seed, q)
+    dropout_args = _dropout_args(dropout_p, seed, dropout_rows, q)
     upcast = interpreted and q.dtype == torch.bfloat16
-    return Call(q, k, v, dout, mask, mask_kind, tuple(mstrides), seed_t, dropout, threshold,
-                drop_scale, float(scale), bool(is_causal), interpreted, upcast,
+    return Call(q, k, v, dout, mask, mask_kind, tuple(mstrides), *dropout_args, float(scale),
+                bool(is_causal), interpreted, upcast,
                 fp32_precision(q.dtype, interpreted, upcast, knobs), knobs)
 
 
@@ -482,19 +504,21 @@ def deterministic() -> bool:
 # ----------------------------------------------------------------------------- forward
 
 
-def _key(kind: str, q, k, v, plans, is_causal, attn_mask, scale, dropout_p, seed, knobs,
-         *more) -> tuple | None:
+def _key(kind: str, q, k, v, plans, is_causal, attn_mask, scale, dropout_p, seed, dropout_rows,
+         knobs, *more) -> tuple | None:
     """A program's key: what its launches depend on besides the data pointers (`Launch`), i.e.
     the inputs' shapes, strides, dtypes, devices and 16-byte alignment, the plans (by id: an
-    entry goes when one of its plans does, `_Programs`), the mask's layout, the dropout's, the scale, the knobs (by
-    id: tuning() returns one object until reloaded, and the program keeps it), the float32 matmul
-    precision where it matters, the interpreter, and the Hopper path's entry points (tests
-    replace them). None for arguments that are not tensors (`_call` says what is wrong)."""
+    entry goes when one of its plans does, `_Programs`), the mask's layout, the dropout's (its
+    seed's and dropout_rows'), the scale, the knobs (by id: tuning() returns one object until
+    reloaded, and the program keeps it), the float32 matmul precision where it matters, the
+    interpreter, and the Hopper path's entry points (tests replace them). None for arguments
+    that are not tensors (`_call` says what is wrong)."""
     try:
         mask = None if attn_mask is None else _tensor_key(attn_mask)
         drop = None if not dropout_p > 0.0 else (
             float(dropout_p),
-            None if seed is None else (seed.device, seed.dtype, seed.shape, seed.data_ptr() % 16))
+            None if seed is None else (seed.device, seed.dtype, seed.shape, seed.data_ptr() % 16),
+            None if dropout_rows is None else _tensor_key(dropout_rows))
         precision = torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None
         return (kind, _tensor_key(q), _tensor_key(k), _tensor_key(v), tuple(map(id, plans)),
                 bool(is_causal), float(scale), mask, drop, id(knobs), precision,
@@ -521,14 +545,17 @@ def _program(key, plans, build):
     return program
 
 
-def _call_tensors(bufs: list, b: int, hq: int, n: int, device, attn_mask, dropout_p,
-                  seed) -> None:
-    """A call's mask (broadcast as `_mask_args` does) and dropout seed into their slots."""
+def _call_tensors(bufs: list, b: int, hq: int, n: int, device, attn_mask, dropout_p, seed,
+                  dropout_rows) -> None:
+    """A call's mask (broadcast as `_mask_args` does), dropout seed and dropout_rows into their
+    slots."""
     if attn_mask is not None:
         m = attn_mask.expand(b, hq, n, n)
         bufs[MASK.index] = m.view(torch.uint8) if m.dtype == torch.bool else m
     if dropout_p > 0.0:
         bufs[SEED.index] = (seed if seed.device == device else seed.to(device)).reshape(())
+        if dropout_rows is not None:
+            bufs[DROPOUT_ROWS.index] = _on_device(dropout_rows, device)
 
 
 def _gluon_step(module, call: Call, plan: BranchPlan, br: Branch, refs: tuple, dout=None, **kw):
@@ -577,7 +604,7 @@ class _Forward:
                 call.constexprs(br, FIRST=first, LAST=last, NONNEG_SCALE=call.scale >= 0), cfg,
                 lambda cfg, br=br: br.grid(cfg.block_m, b * hq), True))
 
-    def __call__(self, q, k, v, attn_mask, dropout_p, seed):
+    def __call__(self, q, k, v, attn_mask, dropout_p, seed, dropout_rows):
         device = self.device
         lse = torch.full(self.rows, NEG_INF, dtype=torch.float32, device=device)
         if self.empty:
@@ -585,7 +612,7 @@ class _Forward:
         bufs = [None] * NUM_SLOTS
         bufs[Q.index], bufs[K.index], bufs[V.index] = q, k, v
         if attn_mask is not None or dropout_p > 0.0:
-            _call_tensors(bufs, *self.rows, device, attn_mask, dropout_p, seed)
+            _call_tensors(bufs, *self.rows, device, attn_mask, dropout_p, seed, dropout_rows)
         out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
         acc = out if self.single else torch.empty(self.out_shape, dtype=torch.float32,
                                                   device=device)
@@ -599,13 +626,18 @@ class _Forward:
 
 
 def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, scale: float,
-            dropout_p: float = 0.0, seed=None):
-    """Returns (out [B, Hq, N, Dv] in q.dtype, lse [B, Hq, N] float32, -inf for rows with no key)."""
+            dropout_p: float = 0.0, seed=None, dropout_rows=None):
+    """Returns (out [B, Hq, N, Dv] in q.dtype, lse [B, Hq, N] float32, -inf for rows with no key).
+
+    dropout_rows ([N] int32 or int64, optional): the position each row stands for in dropout's
+    keep bits (lowering/dropout.py hashes positions); by default its row index. The ring passes
+    the global positions of a shard's rows, or of the rows it gathered from peers."""
     knobs = tuning()
-    key = _key("fwd", q, k, v, plans, is_causal, attn_mask, scale, dropout_p, seed, knobs)
+    key = _key("fwd", q, k, v, plans, is_causal, attn_mask, scale, dropout_p, seed, dropout_rows,
+               knobs)
     program = _program(key, plans, lambda: _Forward(
-        _call(q, k, v, attn_mask, dropout_p, seed, scale, is_causal), plans))
-    return program(q, k, v, attn_mask, dropout_p, seed)
+        _call(q, k, v, attn_mask, dropout_p, seed, dropout_rows, scale, is_causal), plans))
+    return program(q, k, v, attn_mask, dropout_p, seed, dropout_rows)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -705,7 +737,7 @@ class _Backward:
             seen_q, seen_kv = _seen_rows(order, hq, hkv, q.device)
             self.written = (seen_q[:, :, None] != 0, seen_kv[:, :, None] != 0)
 
-    def __call__(self, dout, q, k, v, out, lse, attn_mask, dropout_p, seed):
+    def __call__(self, dout, q, k, v, out, lse, attn_mask, dropout_p, seed, dropout_rows):
         if self.empty:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         device = self.device
@@ -716,7 +748,7 @@ class _Backward:
         if self.dout_copy:
             bufs[DOUT_G.index] = dout.contiguous()
         if attn_mask is not None or dropout_p > 0.0:
-            _call_tensors(bufs, *self.rows, device, attn_mask, dropout_p, seed)
+            _call_tensors(bufs, *self.rows, device, attn_mask, dropout_p, seed, dropout_rows)
         bufs[DELTA.index] = torch.empty(self.rows, dtype=torch.float32, device=device)
         bufs[LSE2.index] = torch.empty(self.rows, dtype=torch.float32, device=device)
         grads = [torch.empty(shape, dtype=dtype, device=device) if used else self.unused
@@ -746,8 +778,9 @@ class _Backward:
 
 
 def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: bool, attn_mask,
-             scale: float, dropout_p: float = 0.0, seed=None):
-    """Returns (dq, dk, dv) in the inputs' dtypes, given the op's final out and lse."""
+             scale: float, dropout_p: float = 0.0, seed=None, dropout_rows=None):
+    """Returns (dq, dk, dv) in the inputs' dtypes, given the op's final out and lse
+    (dropout_rows: as in `forward`)."""
     knobs = tuning()
     try:
         more = (_tensor_key(dout), _tensor_key(out), _tensor_key(lse), knobs.deterministic(),
@@ -755,8 +788,9 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
     except (AttributeError, TypeError):
         more = None
     key = None if more is None else _key("bwd", q, k, v, plans, is_causal, attn_mask, scale,
-                                         dropout_p, seed, knobs, *more)
+                                         dropout_p, seed, dropout_rows, knobs, *more)
 
     program = _program(key, plans, lambda: _Backward(
-        _call(q, k, v, attn_mask, dropout_p, seed, scale, is_causal, dout=dout), plans, out))
-    return program(dout, q, k, v, out, lse, attn_mask, dropout_p, seed)
+        _call(q, k, v, attn_mask, dropout_p, seed, dropout_rows, scale, is_causal, dout=dout),
+        plans, out))
+    return program(dout, q, k, v, out, lse, attn_mask, dropout_p, seed, dropout_rows)

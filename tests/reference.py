@@ -108,6 +108,42 @@ def reference_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, hil
     return probs @ v
 
 
+# ------------------------------------------------------------------ dropout's keep bits
+#
+# The bits are not in the SPEC (it asks for dropout as SDPA does); they are the package's
+# definition, lowering/dropout.py's docstring: a 'lowbias32' hash of the seed, then of
+# (batch << 16) + head, then of the query's position, then of the key's, an entry kept when
+# the hash's top 24 bits reach round(dropout_p * 2**24). Written again here in plain Python
+# integers, sharing no code with the package, for rows that stand for any positions.
+
+def _lowbias32(x):
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def dropout_keep_of_positions(seed, batch, heads, positions, dropout_p):
+    """[batch, heads, N, N] bool: the keep bit of (query row i, key row j) of each batch row and
+    head, where row i stands for position positions[i] (a ring's rows stand for their global
+    positions; on one device positions[i] = i). For reference_dilated_attention's dropout_keep."""
+    positions = [int(p) for p in positions]
+    n = len(positions)
+    threshold = int(round(dropout_p * (1 << 24)))
+    keep = torch.zeros(batch, heads, n, n, dtype=torch.bool)
+    for b in range(batch):
+        for h in range(heads):
+            head_hash = _lowbias32(int(seed) ^ _lowbias32((b << 16) + h))
+            for i, p in enumerate(positions):
+                query_hash = _lowbias32(head_hash ^ (p & 0xFFFFFFFF))
+                keep[b, h, i] = torch.tensor(
+                    [(_lowbias32(query_hash ^ (p2 & 0xFFFFFFFF)) >> 8) >= threshold
+                     for p2 in positions])
+    return keep
+
+
 # ------------------------------------------------------------------ SPEC section 5: sequences
 #
 # Built from the section-2 reference above applied to each sequence alone: split each batch row

@@ -502,3 +502,15 @@ def test_sdpa_query_rows_compute_only_the_queries(causal, dropout_p):
         kw["dropout_rows"] = plan.ext_positions + 1
         other = sdpa_lowering.forward(q, k, v, plans, **kw)
         assert not torch.allclose(other[0][:, :, :t], out[:, :, :t])
+
+
+# --------------------------------------------------------------------------------------------
+# Dropout on the Triton lowering.
+
+def test_triton_lowering_runs_the_ring_calls_with_dropout():
+    """The Triton lowering's forward and backward take dropout_rows (the keep bits at the global
+    positions of a call's rows, tests/test_triton_dropout_rows.py), so lowering="triton" with
+    dropout keeps both calls on it: p2_triton_dropout runs on the Triton kernels."""
+    from hilbert_fx.lowering import ring, triton_lowering
+    q = torch.zeros(1, 4, 24, 8)
+    assert ring._lowering(q, "triton", 0.3) == (triton_lowering, "triton")

@@ -196,8 +196,8 @@ def test_stream_refuses_hooks_and_the_knob():
 # ----------------------------------------------------------------------------- programs
 
 
-POINTERS = {"Out", "Acc", "Lse", "Q", "K", "V", "DO", "Pos", "Cnt", "Mask", "Seed", "DQ", "DK",
-            "DV", "DQO", "DKO", "DVO", "Seen", "Lse2", "Delta"}
+POINTERS = {"Out", "Acc", "Lse", "Q", "K", "V", "DO", "Pos", "Cnt", "Mask", "Seed", "Rows", "DQ",
+            "DK", "DV", "DQO", "DKO", "DVO", "Seen", "Lse2", "Delta"}
 
 
 class _Recorder:
@@ -314,6 +314,36 @@ def test_mask_and_seed_slots_get_each_calls_tensors(monkeypatch):
             if "Mask" in ptrs:
                 assert ptrs["Mask"] == mask.data_ptr() and ptrs["Seed"] == seed.data_ptr(), name
     assert len(triton_lowering._programs) == 2
+
+
+def test_dropout_rows_slot_gets_each_calls_rows(monkeypatch):
+    """dropout_rows reaches the kernels' Rows at every call, cached launches included, with ROWS
+    on; a call without it is a program of its own whose kernels have ROWS off and q's pointer
+    in Rows (never read), as before dropout_rows existed; the rows' dtype is part of the key."""
+    rec = _Recorder()
+    monkeypatch.setattr(triton_lowering, "_kernels", lambda: rec.module)
+    monkeypatch.setattr(triton_lowering, "_programs", triton_lowering._Programs())
+    plans = branch_plans(40, [16, 8], [2, 1], True)
+    kw = dict(is_causal=False, attn_mask=None, scale=0.3, dropout_p=0.2,
+              seed=torch.tensor(3, dtype=torch.int64))
+    q, k, v, dout = _inputs()
+    for step in range(3):
+        rows = torch.arange(40) + 100 * step
+        rec.log.clear()
+        out, lse = triton_lowering.forward(q, k, v, plans, dropout_rows=rows, **kw)
+        triton_lowering.backward(dout, q, k, v, out, lse, plans, dropout_rows=rows, **kw)
+        assert all(ptrs["Rows"] == rows.data_ptr() for _, ptrs in rec.log if "Rows" in ptrs)
+    assert len(triton_lowering._programs) == 2
+    for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):
+        assert all(p["ROWS"] for p in rec.kernels[name].bound_params), name
+    rec.log.clear()
+    triton_lowering.forward(q, k, v, plans, **kw)
+    assert len(triton_lowering._programs) == 3
+    assert all(ptrs["Rows"] == q.data_ptr() for _, ptrs in rec.log)
+    assert not rec.kernels["_fwd_kernel"].bound_params[-1]["ROWS"]
+    triton_lowering.forward(q, k, v, plans, dropout_rows=torch.arange(40, dtype=torch.int32),
+                            **kw)
+    assert len(triton_lowering._programs) == 4
 
 
 @pytest.mark.parametrize("hilbert", [False, True], ids=["identity", "hilbert"])
