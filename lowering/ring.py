@@ -5,8 +5,8 @@ v (rank i: global positions [i*n, (i+1)*n)) and gets back its shard of what the 
 computes on the whole sequence, forward and backward.
 
 The ring is a composition of four parts, each in a file of its own:
-- agreement (lowering/ring_agree.py): every call starts with one small exchange through the
-  process group's store, so that a rank that rejects its arguments, or shards and
+- agreement (lowering/ring_agree.py): one small exchange through the process group's store
+  before the ranks do anything together, so that a rank that rejects its arguments, or shards and
   configurations that differ across ranks, make every rank raise instead of hanging;
 - plan (lowering/ring_plan.py): which rows travel, and the branch plans of the two calls below;
 - transport (lowering/ring_transport.py): the key/value rows and the gradients, point to point;
@@ -19,14 +19,21 @@ The ring is a composition of four parts, each in a file of its own:
   over BranchPlans whose sets may be partial or empty and may leave rows out
   (plan.complete False: such rows get out 0, lse -inf, gradients 0).
 
-Forward: the key/value rows are posted first; then the *local* call runs on the shard itself
-(every set none of whose members comes from a peer, `RingPlan.local_plans`) while they travel;
-then, once they arrived, the *cross* call runs on an extended row (the local rows of the other
-sets, followed by the rows received: `RingPlan.cross_plans`), each such set whole, in global
-order. Its results on the local rows are merged into the local call's by log-sum-exp in float32
-(float64 for float64 inputs), on those rows only. The received rows are no queries: a lowering
-that takes `query_rows` (the SDPA lowering) skips them, another computes them too and their
-results are dropped (ring_plan.py says what that costs).
+Forward: the local call runs on the shard itself (every set none of whose members comes from a
+peer, `RingPlan.local_plans`) while the key/value rows travel; then, once they arrived, the
+*cross* call runs the sets with peers' rows, each such set whole, its members in global order.
+Its rows are (query head, position) pairs, the heads folded into the row (`RingPlan.folded`:
+one head, each query head carrying only its own members); with dropout, whose keep bits hash the
+head and the positions, they are the extended row of every head (the local rows of those sets,
+followed by the rows received). Its results on the local rows are merged into the local call's
+by log-sum-exp in float32 (float64 for float64 inputs), on those rows only. The received rows are
+no queries: a lowering that takes `query_rows` (the SDPA lowering) skips them, another computes
+them too and their results are dropped (ring_plan.py says what that costs).
+
+On CUDA without dropout the local call is launched before the agreement, so that the
+agreement's round trips through the store overlap the GPU's work, and the rows are posted from
+a stream of their own (`_posting`); elsewhere the rows are posted first and the local call runs
+while they travel.
 
 Backward (FlashAttention-2 style, with the final out and lse, so that each call's gradients are
 its exact share and add up): the rows travel again while the local call's backward runs; the
@@ -47,6 +54,7 @@ is carried so that the rewritten graph shows it, as for the single-device op.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from typing import Optional
@@ -102,131 +110,283 @@ def _rows(dropout_p: float, positions: Tensor) -> dict:
     return {"dropout_rows": positions} if dropout_p > 0.0 else {}
 
 
-def _cross(lower, plan: RingPlan, dropout_p: float) -> dict:
-    """The cross call's optional keywords: global positions for dropout, and query_rows (the
-    received rows are no queries) where the lowering takes it; one that does not computes those
-    rows' queries too, and their results are dropped."""
+# ---------------------------------------------------------------------------------------------
+# The cross call's rows. Two layouts with one set of methods:
+# - _Folded (RingPlan.folded): the query heads folded into the row, one head whose rows are
+#   (head, position) pairs, so each head carries only its own members;
+# - _Extended: the extended row of every head (ring_plan.py), kept for dropout, whose keep bits
+#   hash the head index and the global positions of a call's rows (`dropout_rows` is per row).
+# Both take the shard's tensors viewed [B, H*n, ...] (rows h * n + i) and give the call's.
+
+def _flat(x: Tensor) -> Tensor:
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+class _Folded:
+    def __init__(self, plan: RingPlan):
+        f = plan.folded
+        self.plans, self.t, self.length = list(f.plans), f.queries, f.length
+        self.q_index, self.kv_unique, self.kv_inverse = f.q_index, f.kv_unique, f.kv_inverse
+        self.recv_index = f.recv_index
+        self.kv_index = f.kv_unique[f.kv_inverse]
+
+    def queries(self, x: Tensor, fill: float = 0.0) -> Tensor:
+        """[B, 1, R, ...]: x's (head, row) pairs, then `fill` for the received rows."""
+        out = x.new_full((x.shape[0], 1, self.length, *x.shape[3:]), fill)
+        out[:, 0, :self.t] = _flat(x)[:, self.q_index]
+        return out
+
+    def keys(self, x: Tensor, received: Optional[Tensor]) -> Tensor:
+        out = x.new_empty((x.shape[0], 1, self.length, *x.shape[3:]))
+        out[:, 0, :self.t] = _flat(x)[:, self.kv_index]
+        if received is not None:
+            out[:, 0, self.t:] = received[:, self.recv_index]
+        return out
+
+    def query_part(self, y: Tensor) -> tuple[Tensor, Tensor]:
+        """(index into the shard's [B, Hq*n] rows, the call's results on them [B, R_loc, ...])."""
+        return self.q_index, y[:, 0, :self.t]
+
+    def key_part(self, g: Tensor, wide) -> tuple[Tensor, Tensor]:
+        """(index into [B, Hkv*n], the call's key/value gradients summed onto it, in wide)."""
+        delta = g.new_zeros((g.shape[0], self.kv_unique.numel(), g.shape[-1]), dtype=wide)
+        return self.kv_unique, delta.index_add_(1, self.kv_inverse, g[:, 0, :self.t].to(wide))
+
+    def received(self, g: Tensor, rows: int, wide) -> Tensor:
+        """[B, M, D] in wide: each received row's gradient, on its first arrival (a row that
+        arrived twice carries its total once; the others 0)."""
+        out = g.new_zeros((g.shape[0], rows, g.shape[-1]), dtype=wide)
+        return out.index_add_(1, self.recv_index, g[:, 0, self.t:].to(wide))
+
+
+class _Extended:
+    def __init__(self, plan: RingPlan, num_heads: int, num_kv_heads: int):
+        self.plan, self.plans, self.t = plan, list(plan.cross_plans), plan.cross_rows.numel()
+        rows = plan.cross_rows
+        self.q_index = (torch.arange(num_heads, device=rows.device)[:, None] * plan.n
+                        + rows).reshape(-1)
+        self.kv_index = (torch.arange(num_kv_heads, device=rows.device)[:, None] * plan.n
+                         + rows).reshape(-1)
+
+    def queries(self, x: Tensor, fill: float = 0.0) -> Tensor:
+        """[B, H, T, ...]: x's rows cross_rows, then `fill` for the received rows."""
+        ext = x.new_full((*x.shape[:2], self.plan.ext_len, *x.shape[3:]), fill)
+        ext[:, :, :self.t] = x[:, :, self.plan.cross_rows]
+        return ext
+
+    def keys(self, x: Tensor, received: Optional[Tensor]) -> Tensor:
+        """Each received row at its (kv head, extended row); an extended row that no kv head's
+        message brought stays 0 for that head (no query head of it reads the row)."""
+        ext = self.queries(x)
+        if received is not None:
+            ext[:, self.plan.recv_heads, self.plan.recv_ext] = received
+        return ext
+
+    def query_part(self, y: Tensor) -> tuple[Tensor, Tensor]:
+        return self.q_index, _flat(y[:, :, :self.t])
+
+    def key_part(self, g: Tensor, wide) -> tuple[Tensor, Tensor]:
+        return self.kv_index, _flat(g[:, :, :self.t]).to(wide)
+
+    def received(self, g: Tensor, rows: int, wide) -> Tensor:
+        first = self.plan.recv_first.view(1, -1, 1)
+        return torch.where(first, g[:, self.plan.recv_heads, self.plan.recv_ext].to(wide), 0.0)
+
+
+def _layout(plan: RingPlan, q: Tensor, k: Tensor, dropout_p: float):
+    return (_Folded(plan) if dropout_p == 0.0 and plan.folded is not None
+            else _Extended(plan, q.shape[1], k.shape[1]))
+
+
+def _cross(lower, plan: RingPlan, layout, dropout_p: float) -> dict:
+    """The cross call's optional keywords: global positions for dropout (extended row), and
+    query_rows (the received rows are no queries) where the lowering takes it; one that does
+    not computes those rows' queries too, and their results are dropped."""
     kw = _rows(dropout_p, plan.ext_positions)
     if _takes(lower, "query_rows"):
-        kw["query_rows"] = plan.cross_rows.numel()
+        kw["query_rows"] = layout.t
     return kw
 
 
-# ---------------------------------------------------------------------------------------------
-# The extended row of the cross call.
-
-def _queries(plan: RingPlan, x: Tensor, fill: float = 0.0) -> Tensor:
-    """[B, H, T, ...]: x's rows cross_rows, then `fill` for the received rows (not queries)."""
-    t = plan.cross_rows.numel()
-    ext = x.new_full((*x.shape[:2], plan.ext_len, *x.shape[3:]), fill)
-    ext[:, :, :t] = x[:, :, plan.cross_rows]
-    return ext
-
-
-def _keys(plan: RingPlan, x: Tensor, received: Optional[Tensor]) -> Tensor:
-    """[B, Hkv, T, D]: x's rows cross_rows, then each received row at its (kv head, extended
-    row); an extended row that no kv head's message brought stays 0 for that head (no query
-    head of it reads the row)."""
-    ext = _queries(plan, x)
-    if received is not None:
-        ext[:, plan.recv_heads, plan.recv_ext] = received
-    return ext
-
-
-
-
-def _merge_rows(out: Tensor, lse: Tensor, rows: Tensor, o: Tensor, lse_o: Tensor) -> None:
-    """Merges (o, lse_o) [B, H, T_loc, ...] into out, lse at rows `rows`, by log-sum-exp in lse's
-    dtype (block_attention.merge). Rows with lse -inf have no key: their out is taken as 0 (a
-    lowering may leave anything there)."""
+def _merge_rows(out: Tensor, lse: Tensor, index: Tensor, o: Tensor, lse_o: Tensor) -> None:
+    """Merges (o, lse_o) [B, X, ...] into out, lse viewed [B, H*n, ...] at rows `index`, by
+    log-sum-exp in lse's dtype (block_attention.merge). Rows with lse -inf have no key: their
+    out is taken as 0 (a lowering may leave anything there)."""
     wide = lse.dtype
-    l1 = lse[:, :, rows]
-    o1 = out[:, :, rows].to(wide).masked_fill((l1 == NEG_INF).unsqueeze(-1), 0.0)
+    out_f, lse_f = _flat(out), _flat(lse)
+    l1 = lse_f[:, index]
+    o1 = out_f[:, index].to(wide).masked_fill((l1 == NEG_INF).unsqueeze(-1), 0.0)
     lse_o = lse_o.to(wide)
     o2 = o.to(wide).masked_fill((lse_o == NEG_INF).unsqueeze(-1), 0.0)
-    merged, lse[:, :, rows] = block_attention.merge(o1, l1, o2, lse_o)
-    out[:, :, rows] = merged.to(out.dtype)
+    merged, lse_f[:, index] = block_attention.merge(o1, l1, o2, lse_o)
+    out_f[:, index] = merged.to(out.dtype)
 
 
-def _accumulate(x: Tensor, index, delta: Tensor, wide: torch.dtype) -> None:
-    x[index] = (x[index].to(wide) + delta.to(wide)).to(x.dtype)
+def _accumulate(x: Tensor, index: Tensor, delta: Tensor, wide: torch.dtype) -> None:
+    """x viewed [B, H*n, ...] += delta at rows `index` (distinct), added in wide."""
+    x_f = _flat(x)
+    x_f[:, index] = (x_f[:, index].to(wide) + delta.to(wide)).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # Forward and backward on one rank.
 
-def _forward(q, k, v, plan: RingPlan, group, lower, *, is_causal, scale, dropout_p, seed):
+def _forward(q, k, v, call: _Call, *, is_causal, scale, dropout_p):
+    plan, group, lower = call.plan, call.group, call.lower
     b, dk, dv = q.shape[0], k.shape[-1], v.shape[-1]
-    common = dict(is_causal=is_causal, attn_mask=None, scale=scale, dropout_p=dropout_p,
-                  seed=seed)
-    posted = ring_transport.post_rows(plan, group, k, v, "forward", ring_transport.FORWARD)
-    out, lse = lower.forward(q, k, v, list(plan.local_plans), **common,
-                             **_rows(dropout_p, plan.local_positions))
+    common = dict(is_causal=is_causal, attn_mask=None, scale=scale, dropout_p=dropout_p)
+    local = lambda seed: lower.forward(q, k, v, list(plan.local_plans), **common, seed=seed,
+                                       **_rows(dropout_p, plan.local_positions))
+    inputs = _mark(q.device)
+    result = call.early(lambda: local(None)) if _early(inputs, dropout_p) else None
+    seed = call.agree()
+    posted = _post_rows(call, k, v, inputs, "forward", ring_transport.FORWARD)
+    out, lse = (x.contiguous() for x in (result or local(seed)))
     kbuf, vbuf = ring_transport.received_rows(plan, posted, b, dk, dv)
     if plan.cross_plans:
-        t = plan.cross_rows.numel()
-        ox, lx = lower.forward(_queries(plan, q), _keys(plan, k, kbuf), _keys(plan, v, vbuf),
-                               list(plan.cross_plans), **common, **_cross(lower, plan, dropout_p))
-        _merge_rows(out, lse, plan.cross_rows, ox[:, :, :t], lx[:, :, :t])
+        lay = _layout(plan, q, k, dropout_p)
+        ox, lx = lower.forward(lay.queries(q), lay.keys(k, kbuf), lay.keys(v, vbuf), lay.plans,
+                               **common, seed=seed, **_cross(lower, plan, lay, dropout_p))
+        index, o = lay.query_part(ox)
+        _merge_rows(out, lse, index, o, lay.query_part(lx)[1])
     return out, lse
 
 
-def _backward(dout, q, k, v, out, lse, plan: RingPlan, group, lower, *, is_causal, scale,
-              dropout_p, seed, split: bool):
+def _backward(dout, q, k, v, out, lse, call: _Call, *, is_causal, scale, dropout_p):
+    plan, group, lower = call.plan, call.group, call.lower
     b, dk_dim, dv_dim = q.shape[0], k.shape[-1], v.shape[-1]
     wide = torch.promote_types(q.dtype, torch.float32)
+    local = _rows(dropout_p, plan.local_positions)
+    # many small kernels (the SDPA lowering): half of the local sets while the gradients travel
+    split = call.name == "sdpa"
+    first, second = plan.local_halves if split and plan.talks else (plan.local_plans, ())
+    grads = lambda plans, seed: lower.backward(
+        dout, q, k, v, out, lse, list(plans), is_causal=is_causal, attn_mask=None, scale=scale,
+        dropout_p=dropout_p, seed=seed, **local)
+    inputs = _mark(q.device)
+    result = call.early(lambda: grads(first, None)) if _early(inputs, dropout_p) else None
+    seed = call.agree()
     common = dict(is_causal=is_causal, attn_mask=None, scale=scale, dropout_p=dropout_p,
                   seed=seed)
-    local = _rows(dropout_p, plan.local_positions)
-    posted = ring_transport.post_rows(plan, group, k, v, "backward", ring_transport.BACKWARD)
-    first, second = plan.local_halves if split and plan.talks else (plan.local_plans, ())
-    dq, dk, dv = lower.backward(dout, q, k, v, out, lse, list(first), **common, **local)
+    posted = _post_rows(call, k, v, inputs, "backward", ring_transport.BACKWARD)
+    dq, dk, dv = (x.contiguous() for x in (result or grads(first, seed)))
 
     kbuf, vbuf = ring_transport.received_rows(plan, posted, b, dk_dim, dv_dim)
-    gk = gv = cross = None
+    gk = gv = cross = lay = None
     if plan.cross_plans:
+        lay = _layout(plan, q, k, dropout_p)
         # received rows are no queries: dout 0 (and lse -inf) gives them no share of anything
         cross = lower.backward(
-            _queries(plan, dout), _queries(plan, q), _keys(plan, k, kbuf), _keys(plan, v, vbuf),
-            _queries(plan, out), _queries(plan, lse, NEG_INF), list(plan.cross_plans), **common,
-            **_cross(lower, plan, dropout_p))
-        if plan.recv_total:  # a row that arrived twice carries its total once
-            first_arrival = plan.recv_first.view(1, -1, 1)
-            gk, gv = (torch.where(first_arrival, g[:, plan.recv_heads, plan.recv_ext].to(wide), 0.0)
-                      for g in cross[1:])
+            lay.queries(dout), lay.queries(q), lay.keys(k, kbuf), lay.keys(v, vbuf),
+            lay.queries(out), lay.queries(lse, NEG_INF), lay.plans, **common,
+            **_cross(lower, plan, lay, dropout_p))
+        if plan.recv_total:
+            gk, gv = (lay.received(g, plan.recv_total, wide) for g in cross[1:])
     works, recvs, payloads = ring_transport.post_gradients(
         plan, group, gk, gv, batch=b, dk=dk_dim, dv=dv_dim, dtype=wide, device=q.device)
 
     if second:  # while the gradients travel
-        more = lower.backward(dout, q, k, v, out, lse, list(second), **common, **local)
+        more = grads(second, seed)
         dq, dk, dv = (x.to(wide) + y.to(wide) for x, y in zip((dq, dk, dv), more))
     if cross is not None:
-        t = plan.cross_rows.numel()
-        rows = (slice(None), slice(None), plan.cross_rows)
-        for x, g in zip((dq, dk, dv), cross):
-            _accumulate(x, rows, g[:, :, :t], wide)
+        _accumulate(dq, *lay.query_part(cross[0]), wide)
+        for x, g in zip((dk, dv), cross[1:]):
+            _accumulate(x, *lay.key_part(g, wide), wide)
     back = ring_transport.received_gradients(plan, works, recvs, batch=b, dk=dk_dim, dv=dv_dim)
     del payloads  # kept alive until received_gradients waited for every send of the batch
     if back is not None:
-        rows = (slice(None), plan.grad_heads, plan.grad_rows)
-        _accumulate(dk, rows, back[0], wide)
-        _accumulate(dv, rows, back[1], wide)
+        index = plan.grad_heads * plan.n + plan.grad_rows
+        _accumulate(dk, index, back[0], wide)
+        _accumulate(dv, index, back[1], wide)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _prepare(phase, q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
-             dropout_p, seed, scale, lowering, group_name):
-    """Agreement, then (group, plan, lowering module and name, seed, q, k, v in its dtype)."""
-    group = ring_agree.resolve(group_name)
-    seed = ring_agree.start(phase, group, q, k, v, segment_lengths, dilation_rates, hilbert,
-                            is_causal, attn_mask, dropout_p, seed, scale, lowering)
-    ring_transport.count_call(phase)
-    ring_transport.connect(group, q.device)
-    lower, name = _lowering(q, lowering, dropout_p)
-    plan = ring_plan(q.shape[2], torch.distributed.get_world_size(group),
-                     torch.distributed.get_rank(group), segment_lengths, dilation_rates, hilbert,
-                     is_causal, q.shape[1], k.shape[1], q.device)
-    return group, plan, lower, name, seed, _compute_dtype(q, name)
+_POSTING: dict = {}  # device -> the stream messages are posted from
+
+
+def _mark(device: torch.device):
+    """An event after everything enqueued so far on the current stream (CUDA), else None."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _posting(device: torch.device, after):
+    """Where the key/value rows are posted from. NCCL starts a message only after the work
+    enqueued before it on the posting stream; posted from the current stream after the local
+    sets, the rows would travel only once those are done. A stream of its own that waits for
+    `after` (the inputs ready) lets them travel while the local sets run."""
+    if after is None:
+        return contextlib.nullcontext()
+    stream = _POSTING.get(device)
+    if stream is None:
+        stream = _POSTING[device] = torch.cuda.Stream(device)
+    stream.wait_event(after)
+    return torch.cuda.stream(stream)
+
+
+def _early(inputs, dropout_p: float) -> bool:
+    """Whether the local sets run before the agreement, hiding its round trips behind the GPU's
+    work: on CUDA (where the rows are posted from a stream of their own, so they still travel
+    while those sets run) and without dropout (whose seed is agreed on). Elsewhere the rows are
+    posted first (gloo sends from threads of its own) and the sets computed while they travel."""
+    return inputs is not None and dropout_p == 0.0
+
+
+def _post_rows(call: "_Call", k: Tensor, v: Tensor, after, phase: str, tag: int):
+    with _posting(k.device, after):
+        posted = ring_transport.post_rows(call.plan, call.group, k, v, phase, tag)
+    if after is not None:  # the receive buffers are read on the current stream
+        for _, buf in posted:
+            if buf is not None:
+                buf.record_stream(torch.cuda.current_stream(k.device))
+    return posted
+
+
+class _Call:
+    """One call's group, plan and lowering, and its agreement (ring_agree), made once and before
+    anything the ranks do together. The rank's own checks come first: a rank that rejects its
+    arguments makes every rank raise before any plan is built. The local sets need no peer, so
+    a call may compute them (`early`) while the ranks agree, which hides the agreement's round
+    trips through the store behind the GPU's work."""
+
+    def __init__(self, phase, q, k, v, segment_lengths, dilation_rates, hilbert, is_causal,
+                 attn_mask, dropout_p, seed, scale, lowering, group_name):
+        self.group, self.phase, self.device = ring_agree.resolve(group_name), phase, q.device
+        args = (q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
+                dropout_p, seed, scale, lowering)
+        self._start = lambda error: ring_agree.start(phase, self.group, *args, error=error)
+        self.agreed, self.seed = False, None
+        error = ring_agree.local_error(q, k, v, segment_lengths, dilation_rates, is_causal,
+                                       attn_mask, dropout_p, scale, lowering)
+        if error is not None:
+            self._start(error)  # raises on every rank
+        self.lower, self.name = _lowering(q, lowering, dropout_p)
+        self.plan = ring_plan(q.shape[2], torch.distributed.get_world_size(self.group),
+                              torch.distributed.get_rank(self.group), segment_lengths,
+                              dilation_rates, hilbert, is_causal, q.shape[1], k.shape[1],
+                              q.device)
+        self.dtype = _compute_dtype(q, self.name)
+
+    def early(self, compute):
+        """compute() before the agreement; a rank whose compute raises makes every rank raise."""
+        try:
+            return compute()
+        except Exception as e:
+            if not self.agreed:
+                self._start(f"{type(e).__name__} in the sets of rank "
+                            f"{torch.distributed.get_rank(self.group)} alone: {e}")
+            raise
+
+    def agree(self) -> Optional[Tensor]:
+        """The agreement (once); returns the seed every rank uses."""
+        if not self.agreed:
+            self.seed, self.agreed = self._start(None), True
+            ring_transport.count_call(self.phase)
+            ring_transport.connect(self.group, self.device)
+        return self.seed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,11 +400,10 @@ def ring_dilated_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: 
                               seed: Optional[Tensor], scale: float, lowering: str,
                               group_name: str) -> tuple[Tensor, Tensor]:
     """Local shards in, local shards out: (out [B, Hq, n, Dv], lse [B, Hq, n] float32+)."""
-    group, plan, lower, _, seed, dtype = _prepare(
-        "forward", q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
-        dropout_p, seed, scale, lowering, group_name)
-    out, lse = _forward(q.to(dtype), k.to(dtype), v.to(dtype), plan, group, lower,
-                        is_causal=is_causal, scale=scale, dropout_p=dropout_p, seed=seed)
+    call = _Call("forward", q, k, v, segment_lengths, dilation_rates, hilbert, is_causal,
+                 attn_mask, dropout_p, seed, scale, lowering, group_name)
+    out, lse = _forward(*(x.to(call.dtype) for x in (q, k, v)), call, is_causal=is_causal,
+                        scale=scale, dropout_p=dropout_p)
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
@@ -260,12 +419,10 @@ def ring_dilated_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Te
                                        attn_mask: Optional[Tensor], dropout_p: float,
                                        seed: Optional[Tensor], scale: float, lowering: str,
                                        group_name: str) -> tuple[Tensor, Tensor, Tensor]:
-    group, plan, lower, name, seed, dtype = _prepare(
-        "backward", q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
-        dropout_p, seed, scale, lowering, group_name)
-    dq, dk, dv = _backward(*(x.to(dtype) for x in (dout, q, k, v, out)), lse, plan, group, lower,
-                           is_causal=is_causal, scale=scale, dropout_p=dropout_p, seed=seed,
-                           split=name == "sdpa")
+    call = _Call("backward", q, k, v, segment_lengths, dilation_rates, hilbert, is_causal,
+                 attn_mask, dropout_p, seed, scale, lowering, group_name)
+    dq, dk, dv = _backward(*(x.to(call.dtype) for x in (dout, q, k, v, out)), lse, call,
+                           is_causal=is_causal, scale=scale, dropout_p=dropout_p)
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
 
 

@@ -38,32 +38,33 @@ def resolve(group_name: str):
 _CALLS: dict = {}  # group name -> number of agreements made on it by this process
 
 
-def _exchange(group, t: Tensor) -> Tensor:
-    """All-gather of a small int64 CPU tensor through the default store: host only, raising
-    after the store's timeout.
+def _exchange(group, value: bytes) -> list[bytes]:
+    """All-gather of a few bytes through the default store: host only, raising after the
+    store's timeout.
 
     Every call of the op is collective over its group, so the k-th agreement of a group is the
-    same call on every rank: its keys are named by (group, k). A rank deletes its key of
-    agreement k - 2 when it makes agreement k (by then every rank has read it)."""
+    same call on every rank: its keys are named by (group, k). Three round trips: set, a
+    multi_get that waits for every rank's key, and the deletion of this rank's key of agreement
+    k - 2 (by then every rank has read it)."""
     store = dist.distributed_c10d._get_default_store()
     name = group.group_name
     k = _CALLS.get(name, 0)
     _CALLS[name] = k + 1
     world, me = dist.get_world_size(group), dist.get_rank(group)
     prefix = f"hilbert_fx/ring/agree/{name}/"
-    store.set(f"{prefix}{k}/{me}", t.numpy().tobytes())
+    store.set(f"{prefix}{k}/{me}", value)
+    keys = [f"{prefix}{k}/{r}" for r in range(world)]
+    values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(x) for x in keys]
     if k >= 2:
         try:
             store.delete_key(f"{prefix}{k - 2}/{me}")
         except Exception:  # a store without delete_key: the keys stay, harmlessly
             pass
-    keys = [f"{prefix}{k}/{r}" for r in range(world)]
-    store.wait(keys)
-    values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(x) for x in keys]
-    return torch.stack([torch.frombuffer(bytearray(v), dtype=torch.int64) for v in values])
+    return [bytes(v) for v in values]
 
 
 _MSG = 400
+_HEAD = 5  # int64s before the error's text: length, config hash (2), seed, error flag
 
 
 def agree(group, n_local: int, key: str, seed: int, error: Optional[str]) -> int:
@@ -73,21 +74,18 @@ def agree(group, n_local: int, key: str, seed: int, error: Optional[str]) -> int
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
     digest = hashlib.sha256(key.encode()).digest()
-    msg = (error or "").encode()[:_MSG]
-    t = torch.zeros(5 + _MSG, dtype=torch.int64)
-    t[0] = int(n_local)
-    t[1] = int.from_bytes(digest[:7], "little")
-    t[2] = int.from_bytes(digest[7:14], "little")
-    t[3] = int(seed)
-    t[4] = 1 if error is not None else 0
-    if msg:
-        t[5:5 + len(msg)] = torch.tensor(list(msg), dtype=torch.int64)
-    rows = t.view(1, -1) if world == 1 else _exchange(group, t)
+    head = torch.tensor([int(n_local), int.from_bytes(digest[:7], "little"),
+                         int.from_bytes(digest[7:14], "little"), int(seed),
+                         1 if error is not None else 0], dtype=torch.int64)
+    value = head.numpy().tobytes() + (error or "").encode()[:_MSG]
+    values = [value] if world == 1 else _exchange(group, value)
+    rows = torch.stack([torch.frombuffer(bytearray(v[:8 * _HEAD]), dtype=torch.int64)
+                        for v in values])
     failed = [r for r in range(world) if int(rows[r, 4])]
     if failed:
         if error is not None:
             raise ValueError(error)
-        text = bytes(int(c) for c in rows[failed[0], 5:].tolist() if c).decode(errors="replace")
+        text = values[failed[0]][8 * _HEAD:].decode(errors="replace")
         raise ValueError(f"rank {failed[0]} of the mesh rejected its arguments (ranks {failed} "
                          f"did): {text}")
     lengths = rows[:, 0].tolist()
@@ -143,10 +141,9 @@ def local_error(q, k, v, segment_lengths, dilation_rates, is_causal, attn_mask, 
 
 
 def start(phase, group, q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
-          dropout_p, seed, scale, lowering) -> Optional[Tensor]:
-    """Check locally, agree across ranks; returns the seed every rank uses (rank 0's)."""
-    error = local_error(q, k, v, segment_lengths, dilation_rates, is_causal, attn_mask, dropout_p,
-                        scale, lowering)
+          dropout_p, seed, scale, lowering, error: Optional[str]) -> Optional[Tensor]:
+    """Agree across ranks on this rank's `error` (local_error's, or one met since) and
+    configuration; returns the seed every rank uses (rank 0's)."""
     key = _config_key(phase, q, k, v, segment_lengths, dilation_rates, hilbert, is_causal,
                       attn_mask, dropout_p, seed, scale, lowering)
     local_seed = int(seed.item()) if seed is not None else 0

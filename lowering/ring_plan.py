@@ -43,6 +43,12 @@ is small where the cross segments are those of high dilation (a branch's work pe
 N w / r^2), as in the benchmark's branch that spans every GPU. The local members are one
 contiguous run of each set's order, so kernels can skip the others by that run alone.
 
+The extended row serves every head: where each head has an offset of its own, a head reads only
+1/H of it, and the copies into and out of it cost more than the cross sets' attention.
+`Folded` lays the same sets out with the query heads folded into the row (one head, rows
+(query head, position)), each head carrying only its own members; the ring uses it except with
+dropout (whose keep bits hash the head index).
+
 Gradients of received rows go back to their owners (`Step` in reverse), one row per row
 received: a (kv head, global position) that arrived more than once (two branches select it)
 carries its total on its first arrival (`recv_first`) and 0 on the others, so the owner's sum
@@ -111,6 +117,7 @@ class RingPlan:
     # local_plans cut in two runs of about equal work (a backward may run one while gradients
     # travel); (local_plans, ()) when they cannot be cut
     local_halves: tuple
+    folded: "Folded | None" = None  # the cross call with the heads folded into the row
 
     @property
     def ext_len(self) -> int:
@@ -128,6 +135,29 @@ class RingPlan:
     def talks(self) -> bool:
         """Whether this rank sends or receives any row."""
         return bool(self.rows_sent or self.recv_total)
+
+
+@dataclass
+class Folded:
+    """The cross call's sets with the query heads folded into the row: one head, each folded
+    row one (query head h, global position p) that a set of h holds, so that each head carries
+    only its own members (the extended row carries every head's members for every head: H
+    times the rows a head reads, when each head has its own offset).
+
+    Rows [0, queries) are the local pairs, rows [queries, length) the received ones; each list
+    is sorted by (h, p). Set (h, branch, segment) is one segment of that branch's plan (rate 1),
+    its members in ascending global position, so that causal attention is, as on one device,
+    the order within the set. A received row holds the key/value row of (kv head of h, p) as it
+    first arrived (`recv_index`); its query is zero and its results are not this rank's."""
+    length: int  # R
+    queries: int  # R_loc
+    q_index: torch.Tensor  # [R_loc] h * n + local row: rows of q, out, lse, dq viewed [B, Hq*n]
+    # the local rows' key/value rows, (kv head of h) * n + local row of k, v, dk, dv viewed
+    # [B, Hkv*n], as kv_unique[kv_inverse] (the query heads of a group may share a row)
+    kv_unique: torch.Tensor  # [U]
+    kv_inverse: torch.Tensor  # [R_loc]
+    recv_index: torch.Tensor  # [R - R_loc] the received row (steps in order) of each such row
+    plans: tuple  # BranchPlans over the R rows, one per branch with sets across ranks
 
 
 @dataclass
@@ -346,6 +376,8 @@ def _build(seq_len: int, world: int, rank: int, segment_lengths, dilation_rates,
             local_plans.append(plan)
 
     recv_ext = ext_of(recv_pos) if recv_pos.numel() else _longs()
+    folded = _folded(globs, members, n, rank, num_heads, num_kv_heads, recv_heads, recv_pos,
+                     device) if members else None
     sent = [s.send_heads * (n + 1) + s.send_rows for s in steps]
     unique = torch.unique(_cat(sent))
     for step, keys in zip(steps, sent):
@@ -361,7 +393,51 @@ def _build(seq_len: int, world: int, rank: int, segment_lengths, dilation_rates,
         tuple(cross_plans), mv(torch.arange(lo, hi)), mv(cross_rows),
         mv(torch.cat([cross_rows + lo, distinct])), mv(recv_heads), mv(recv_ext),
         mv(_first_arrivals(recv_heads, recv_ext, ext_len)), mv(unique // (n + 1)),
-        mv(unique % (n + 1)), local_halves)
+        mv(unique % (n + 1)), local_halves, folded)
+
+
+def _folded(globs, members: dict, n: int, rank: int, num_heads: int, num_kv_heads: int,
+            recv_heads: torch.Tensor, recv_pos: torch.Tensor, device: str) -> Folded:
+    """The cross call's sets over folded rows (Folded): keys h * N + p, local ones first."""
+    seq_len, group = globs[0].seq_len, num_heads // num_kv_heads
+    lo, hi = rank * n, (rank + 1) * n
+    sets = []  # (branch, [(h, ascending global positions)])
+    for b in sorted(members):
+        r = globs[b].dilation_rate
+        sets.append((b, [(h, p) for (j, o), p in sorted(members[b].items())
+                         for h in range(num_heads) if h % r == o]))
+    keys = _cat([h * seq_len + p for _, hp in sets for h, p in hp])
+    local = (keys % seq_len >= lo) & (keys % seq_len < hi)
+    loc_keys, rem_keys = torch.unique(keys[local]), torch.unique(keys[~local])
+    t = loc_keys.numel()
+    length = t + rem_keys.numel()
+
+    def row_of(h: int, p: torch.Tensor) -> torch.Tensor:
+        key = h * seq_len + p
+        inside = (p >= lo) & (p < hi)
+        return torch.where(inside, torch.searchsorted(loc_keys, key),
+                           t + torch.searchsorted(rem_keys, key))
+
+    plans = []
+    for b, hp in sets:
+        width = max(p.numel() for _, p in hp)
+        positions = torch.full((1, len(hp), width), length, dtype=torch.long)
+        counts = torch.tensor([[p.numel() for _, p in hp]], dtype=torch.long)
+        for s, (h, p) in enumerate(hp):
+            positions[0, s, :p.numel()] = row_of(h, p)
+        plans.append(_on(BranchPlan(globs[b].segment_length, 1, length, positions, counts,
+                                    strided=False, complete=_covers(positions, length)), device))
+    loc_h, loc_p = loc_keys // seq_len, loc_keys % seq_len - lo
+    # the first arrival of each received (kv head, position)
+    arrived = recv_heads * seq_len + recv_pos
+    order = torch.argsort(arrived, stable=True)
+    uniq, first = torch.unique_consecutive(arrived[order], return_counts=True)
+    starts = order[torch.cumsum(first, 0) - first]
+    wanted = (rem_keys // seq_len) // group * seq_len + rem_keys % seq_len
+    recv_index = starts[torch.searchsorted(uniq, wanted)]
+    kv_unique, kv_inverse = torch.unique((loc_h // group) * n + loc_p, return_inverse=True)
+    return Folded(length, t, (loc_h * n + loc_p).to(device), kv_unique.to(device),
+                  kv_inverse.to(device), recv_index.to(device), tuple(plans))
 
 
 def _cross_plan(glob: BranchPlan, sets: dict, ext_of, ext_len: int) -> BranchPlan:

@@ -45,6 +45,33 @@ def group_of(name: str) -> str:
     return name[:60]
 
 
+def _label_phases():
+    """Names the ring's host phases in the traces (agreement, plan, transport, the calls)."""
+    import functools
+    from torch.profiler import record_function
+    from hilbert_fx.lowering import ring, ring_agree, ring_transport
+
+    def label(module, name, tag):
+        fn = getattr(module, name)
+
+        @functools.wraps(fn)
+        def wrapped(*a, **kw):
+            with record_function(tag):
+                return fn(*a, **kw)
+        setattr(module, name, wrapped)
+
+    label(ring_agree, "start", "ring: agree")
+    label(ring, "ring_plan", "ring: plan")
+    for name in ("post_rows", "received_rows", "post_gradients", "received_gradients"):
+        label(ring_transport, name, f"ring: {name}")
+    from hilbert_fx.lowering import sdpa_lowering, triton_lowering
+    for module in (sdpa_lowering, triton_lowering):
+        for name in ("forward", "backward"):
+            label(module, name, f"ring: {module.__name__.rsplit('.', 1)[-1]}.{name}")
+    for name in ("_merge_rows", "_accumulate", "_layout"):
+        label(ring, name, f"ring: {name}")
+
+
 def run(rank, world, port, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
@@ -54,6 +81,8 @@ def run(rank, world, port, args):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ring_benchmark import default_branches
     from hilbert_fx.lowering.ring import ring_dilated_attention
+    if args.trace:
+        _label_phases()
     n = args.tokens_per_gpu
     segs, rates = default_branches(n, world)
     g = torch.Generator(device="cuda").manual_seed(rank)
