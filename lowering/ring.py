@@ -242,13 +242,18 @@ def _forward(q, k, v, call: _Call, *, is_causal, scale, dropout_p):
     seed = call.agree()
     posted = _post_rows(call, k, v, inputs, "forward", ring_transport.FORWARD)
     out, lse = (x.contiguous() for x in (result or local(seed)))
-    kbuf, vbuf = ring_transport.received_rows(plan, posted, b, dk, dv)
     if plan.cross_plans:
-        lay = _layout(plan, q, k, dropout_p)
-        ox, lx = lower.forward(lay.queries(q), lay.keys(k, kbuf), lay.keys(v, vbuf), lay.plans,
-                               **common, seed=seed, **_cross(lower, plan, lay, dropout_p))
+        with _beside(inputs):
+            kbuf, vbuf = ring_transport.received_rows(plan, posted, b, dk, dv)
+            lay = _layout(plan, q, k, dropout_p)
+            ox, lx = lower.forward(lay.queries(q), lay.keys(k, kbuf), lay.keys(v, vbuf),
+                                   lay.plans, **common, seed=seed,
+                                   **_cross(lower, plan, lay, dropout_p))
+        _join(inputs, ox, lx)
         index, o = lay.query_part(ox)
         _merge_rows(out, lse, index, o, lay.query_part(lx)[1])
+    else:
+        ring_transport.received_rows(plan, posted, b, dk, dv)  # the sends completed
     return out, lse
 
 
@@ -271,19 +276,21 @@ def _backward(dout, q, k, v, out, lse, call: _Call, *, is_causal, scale, dropout
     posted = _post_rows(call, k, v, inputs, "backward", ring_transport.BACKWARD)
     dq, dk, dv = (x.contiguous() for x in (result or grads(first, seed)))
 
-    kbuf, vbuf = ring_transport.received_rows(plan, posted, b, dk_dim, dv_dim)
     gk = gv = cross = lay = None
-    if plan.cross_plans:
-        lay = _layout(plan, q, k, dropout_p)
-        # received rows are no queries: dout 0 (and lse -inf) gives them no share of anything
-        cross = lower.backward(
-            lay.queries(dout), lay.queries(q), lay.keys(k, kbuf), lay.keys(v, vbuf),
-            lay.queries(out), lay.queries(lse, NEG_INF), lay.plans, **common,
-            **_cross(lower, plan, lay, dropout_p))
-        if plan.recv_total:
-            gk, gv = (lay.received(g, plan.recv_total, wide) for g in cross[1:])
-    works, recvs, payloads = ring_transport.post_gradients(
-        plan, group, gk, gv, batch=b, dk=dk_dim, dv=dv_dim, dtype=wide, device=q.device)
+    with _beside(inputs):
+        kbuf, vbuf = ring_transport.received_rows(plan, posted, b, dk_dim, dv_dim)
+        if plan.cross_plans:
+            lay = _layout(plan, q, k, dropout_p)
+            # received rows are no queries: dout 0 (and lse -inf) gives them no share of anything
+            cross = lower.backward(
+                lay.queries(dout), lay.queries(q), lay.keys(k, kbuf), lay.keys(v, vbuf),
+                lay.queries(out), lay.queries(lse, NEG_INF), lay.plans, **common,
+                **_cross(lower, plan, lay, dropout_p))
+            if plan.recv_total:
+                gk, gv = (lay.received(g, plan.recv_total, wide) for g in cross[1:])
+        works, recvs, payloads = ring_transport.post_gradients(
+            plan, group, gk, gv, batch=b, dk=dk_dim, dv=dv_dim, dtype=wide, device=q.device)
+    _join(inputs, *(cross or ()), *recvs)
 
     if second:  # while the gradients travel
         more = grads(second, seed)
@@ -337,12 +344,28 @@ def _early(inputs, dropout_p: float) -> bool:
 
 def _post_rows(call: "_Call", k: Tensor, v: Tensor, after, phase: str, tag: int):
     with _posting(k.device, after):
-        posted = ring_transport.post_rows(call.plan, call.group, k, v, phase, tag)
-    if after is not None:  # the receive buffers are read on the current stream
-        for _, buf in posted:
-            if buf is not None:
-                buf.record_stream(torch.cuda.current_stream(k.device))
-    return posted
+        return ring_transport.post_rows(call.plan, call.group, k, v, phase, tag)
+
+
+def _beside(after):
+    """Where the cross call runs: on CUDA, on the posting stream (which already waited for the
+    inputs, `after`), beside the local call, so that it starts as soon as the rows arrived and
+    its gradients travel back while the local call's backward still runs."""
+    if after is None:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(_POSTING[torch.cuda.current_stream().device])
+
+
+def _join(after, *tensors) -> None:
+    """The current stream waits for the cross call's stream; `tensors` made there are read on
+    the current stream from now on (the allocator must not reuse them before)."""
+    if after is None:
+        return
+    current = torch.cuda.current_stream()
+    current.wait_stream(_POSTING[current.device])
+    for t in tensors:
+        if t is not None:
+            t.record_stream(current)
 
 
 class _Call:
