@@ -99,7 +99,7 @@ class Descriptor:
     16-byte alignment, made without that work: the fields of the first descriptor made, with
     only the base changed. The base is x itself rather than its view: the view starts at x's
     first element, and a launch reads of the base only its data pointer (Triton 3.6's
-    make_tensordesc_arg). lowering/triton_lowering.py uses `rebase` only for launches that skip
+    make_tensordesc_arg). lowering/triton_launch.py uses `rebase` only for launches that skip
     Triton's argument binding, whose configuration (hence shape, strides, box) is the first
     launch's; the first descriptor's base is not kept (it would keep that call's tensor alive).
 
@@ -264,7 +264,7 @@ def launch(q, k, v, out, acc, lse, plan, positions, *, is_causal: bool, scale: f
            last: bool) -> None:
     """One branch into (out, acc, lse) as lowering/triton_kernels.py's _fwd_kernel would; out and
     acc contiguous [B, H, N, D], lse contiguous [B, H, N]. Strided sets are read by TMA, others
-    through `positions` (int32 [r, segments, >= w / r], lowering/triton_lowering._plan_tensors)."""
+    through `positions` (int32 [r, segments, >= w / r], lowering/triton_plans.plan_tensors)."""
     kernel, grid, args, kwargs = prepare(q, k, v, plan, positions, is_causal=is_causal,
                                          scale=scale, first=first, last=last,
                                          refs=(q, k, v, out, acc, lse))

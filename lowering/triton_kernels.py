@@ -8,7 +8,7 @@ FlashAttention-2 kernels that read q, k, v where they lie (no gathered copies), 
   identity order: rows are reached through strides), else at Pos[o, j, m] (the Hilbert plan).
   The set has Cnt[o, j] members; members past that (tile padding) read position 0, a real row,
   so that loads never need a row mask, and their scores are set to -inf where it matters.
-  Pos is int32 and padded with 0 (lowering/triton_lowering.py's _plan_tensors), so a tile of
+  Pos is int32 and padded with 0 (lowering/triton_plans.py's plan_tensors), so a tile of
   positions is one unmasked load.
 - Scores are kept in base 2: s = log2(e) * (scale * q.k + float mask), so exp2 is the exponential.
 - A tile is EDGE when it may hold padded members or cross the causal diagonal; only EDGE tiles

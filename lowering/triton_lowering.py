@@ -34,9 +34,10 @@ program loops over them and over their query tiles with K, V held in registers -
 with one program per query tile. Each adds into float32 buffers rows that no other program of the
 launch touches, so the default path uses no atomics and is deterministic (bitwise repeatable).
 Branches run in the forward's order: the float32 buffers are never zeroed (a launch reads only
-the rows an earlier one wrote, `_seen_rows`), and a complete branch with r == 1 runs last and
-writes dq, dk, dv in the inputs' dtype, so no pass converts float32 gradients afterwards (on an H200 at
-N = 64K that took forward+backward from 22.3 to 21.8 ms, BENCHMARKS.md).
+the rows an earlier one wrote, triton_plans.seen_rows), and a complete branch with r == 1 runs
+last and writes dq, dk, dv in the inputs' dtype, so no pass converts float32 gradients
+afterwards (on an H200 at N = 64K that took forward+backward from 22.3 to 21.8 ms,
+BENCHMARKS.md).
 Setting HILBERT_FX_TRITON_ATOMIC_DQ=1 folds dQ into the dK/dV kernel with float32 atomics instead
 (saves recomputing S and dP, not deterministic); HILBERT_FX_DETERMINISTIC=1 or
 torch.use_deterministic_algorithms(True) turn that off again. Those knobs, and every other one,
@@ -90,11 +91,14 @@ from . import gluon_backward, gluon_forward
 from .arguments import problem
 from .dropout import keep_threshold
 from .plans import BranchPlan
-from .triton_launch import (ACC, DELTA, DK, DK_FINAL, DOUT, DOUT_G, DQ, DQ_FINAL, DV, DV_FINAL,
-                            DROPOUT_ROWS, K, LSE, LSE2, LSE_IN, MASK, NUM_SLOTS, OUT, OUT_IN,
-                            Q, SEED, V,
-                            Emulated, Launch, launch_stream)
-from .tuning import PlanCache, TileConfig, Tuning, fp32_precision, tile_config, tuning
+from .triton_launch import (ACC, DELTA, DK, DK_FINAL, DOUT, DOUT_G, DQ, DQ_FINAL, DROPOUT_ROWS,
+                            DV, DV_FINAL, K, LSE, LSE2, LSE_IN, MASK, NUM_SLOTS, OUT, OUT_IN, Q,
+                            SEED, V, Emulated, Launch, launch_stream)
+from .triton_plans import POSITION_PAD  # noqa: F401 - tests/test_op_exact.py imports it here
+from .triton_plans import forward_order as _forward_order
+from .triton_plans import plan_tensors as _plan_tensors
+from .triton_plans import seen_rows as _seen_rows
+from .tuning import TileConfig, Tuning, fp32_precision, tile_config, tuning
 from .tuning import shrunk as _shrunk  # noqa: F401 - tests/test_op_exact.py imports it from here
 
 __all__ = ["forward", "backward", "interpreter_active", "tile_config", "TileConfig",
@@ -237,9 +241,9 @@ def _on_device(rows: torch.Tensor, device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Branch:
-    """One plan as the kernels read it: its positions (int32, padded: `_plan_tensors`) and counts
-    on the call's device, whether rows are reached by arithmetic instead (STRIDED), and the
-    plan's sizes (a program keeps these, not the plan, which its cache holds weakly)."""
+    """One plan as the kernels read it: its positions (int32, padded: triton_plans.plan_tensors)
+    and counts on the call's device, whether rows are reached by arithmetic instead (STRIDED),
+    and the plan's sizes (a program keeps these, not the plan, which its cache holds weakly)."""
     pos: torch.Tensor
     cnt: torch.Tensor
     strided: bool
@@ -366,9 +370,9 @@ def _call(q, k, v, attn_mask, dropout_p, seed, dropout_rows, scale, is_causal,
 
 
 class _Programs:
-    """The programs built so far, by key (`_key`), the oldest dropped past `limit`. A key names its plans by id; an entry holds them weakly and goes when
-    one of them does (so that a later plan at the same address never finds it, and a program
-    keeps no plan alive)."""
+    """The programs built so far, by key (`_key`), the oldest dropped past `limit`. A key names
+    its plans by id; an entry holds them weakly and goes when one of them does (so that a later
+    plan at the same address never finds it, and a program keeps no plan alive)."""
 
     def __init__(self, limit: int = 64):
         self.limit = limit
@@ -404,101 +408,6 @@ class _Programs:
 
 
 _programs = _Programs()
-
-
-# ----------------------------------------------------------------------------- plans
-
-
-# The backward's epilogues address a head's gradient rows with int32 offsets (fewer spilled
-# registers: forward+backward 0.1 to 1.7% faster on an H200 at N = 64K in two runs of three and
-# two rounds, BENCHMARKS.md) unless N * BLOCK_D reaches this; tests lower it to run the int64 path.
-INT32_OFFSET_LIMIT = 2**31
-
-POSITION_PAD = 256  # the largest BLOCK_M / BLOCK_N: a tile past a set's last may be prefetched
-
-# What the kernels read of each plan, per plan object and device (plans are frozen; most are
-# cached by their makers, so this runs once per plan, not per call)
-_plan_cache = PlanCache()
-
-
-def _plan_tensors(plan: BranchPlan, device):
-    """(positions, counts, strided) of a plan for the kernels on `device`, made once per plan.
-
-    Strided plans (identity order) reach rows by arithmetic and pass their positions unused.
-    Otherwise the positions go as int32, each set padded with 0 (a real row) from its count on,
-    to a whole number of POSITION_PAD members plus one more POSITION_PAD: the kernels load a
-    tile of positions, and the next tile's ahead of time, without a mask. On an H200 this took
-    the Hilbert order's forward at N = 64K from 5.21 to 5.04 ms and from 5.25 to 5.08 ms, timed
-    in one process against int64 positions and masked loads (BENCHMARKS.md)."""
-    device = torch.device(device)
-
-    def make():
-        cnt = plan.counts.to(device)
-        pos = plan.positions.to(device)
-        if not plan.is_strided:
-            r, s, m = pos.shape
-            valid = torch.arange(m, device=device) < cnt.unsqueeze(-1)
-            padded = torch.zeros(r, s, _cdiv(m, POSITION_PAD) * POSITION_PAD + POSITION_PAD,
-                                 dtype=torch.int32, device=device)
-            padded[:, :, :m] = torch.where(valid, pos, 0).to(torch.int32)
-            pos = padded
-        return pos, cnt, plan.is_strided
-
-    return _plan_cache.get(plan, str(device), make)
-
-
-def _complete(plan: BranchPlan) -> bool:
-    """Whether every row is in some set of the plan (False where rows are padding)."""
-    return bool(getattr(plan, "complete", True))
-
-
-def _forward_order(plans):
-    """(order, covers): branches with r > 1 first; a complete one with r == 1 (it selects every
-    row, so it may write the final result in place) last, when there is one (covers)."""
-    last = next((p for p in plans if p.dilation_rate == 1 and _complete(p)), None)
-    if last is None:
-        return list(plans), False
-    rest = [p for p in plans if p is not last]
-    return [p for p in rest if p.dilation_rate != 1] + [p for p in rest if p.dilation_rate == 1] \
-        + [last], True
-
-
-_seen_cache: dict = {}
-
-
-def _selected_rows(plan: BranchPlan, num_heads: int) -> torch.Tensor:
-    """[num_heads, N] bool: the positions query head h selects in this branch (offset h % r)."""
-    r, n = plan.dilation_rate, plan.seq_len
-    pos = plan.positions.reshape(r, -1, plan.set_size)
-    valid = torch.arange(plan.set_size, device=pos.device) < plan.counts.unsqueeze(-1)
-    pos = torch.where(valid, pos, n)  # past a set's count: column N, dropped below
-    sel = torch.zeros(r, n + 1, dtype=torch.bool, device=pos.device)
-    sel.scatter_(1, pos.reshape(r, -1), True)
-    heads = torch.arange(num_heads, device=sel.device) % r
-    return sel[:, :n].index_select(0, heads)
-
-
-def _seen_rows(before, hq: int, hkv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(query rows [Hq, N], key rows [Hkv, N]) uint8: 1 where a branch of `before` (launched
-    earlier) wrote a gradient row, which a later branch adds to; its other rows are not
-    initialised. Made once per sequence of plans and head counts (the entry holds the plans, so
-    their ids stay theirs while it lives)."""
-    key = (tuple(id(p) for p in before), hq, hkv, str(device))
-    hit = _seen_cache.get(key)
-    if hit is None:
-        rows = torch.zeros(hq, before[0].seq_len, dtype=torch.bool, device=device)
-        for plan in before:
-            rows |= _selected_rows(plan, hq).to(device)
-        kv_rows = rows.view(hkv, hq // hkv, -1).any(1)
-        if len(_seen_cache) > 64:
-            _seen_cache.clear()
-        hit = _seen_cache[key] = (tuple(before), rows.to(torch.uint8), kv_rows.to(torch.uint8))
-    return hit[1], hit[2]
-
-
-def deterministic() -> bool:
-    """Whether the backward must be bitwise repeatable (lowering/tuning.py)."""
-    return tuning().deterministic()
 
 
 # ----------------------------------------------------------------------------- forward
@@ -643,15 +552,27 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
 # ----------------------------------------------------------------------------- backward
 
 
+# The backward's epilogues address a head's gradient rows with int32 offsets (fewer spilled
+# registers: forward+backward 0.1 to 1.7% faster on an H200 at N = 64K in two runs of three and
+# two rounds, BENCHMARKS.md) unless N * BLOCK_D reaches this; tests lower it to run the int64 path.
+INT32_OFFSET_LIMIT = 2**31
+
+
+def deterministic() -> bool:
+    """Whether the backward must be bitwise repeatable (lowering/tuning.py)."""
+    return tuning().deterministic()
+
+
 class _Backward:
     """`backward` for one configuration (`_key`, with dO's, out's and lse's layouts, the
     deterministic choice and the int32 offset limit): its buffers and launches, made once.
 
     The order of the forward: a complete branch with r == 1, if any, runs last and writes dq,
     dk, dv in the inputs' dtype (it has every row); the ones before add up in float32 buffers
-    that are never zeroed (each launch reads only rows an earlier one wrote: _seen_rows). Where
-    dq is summed by atomics (the Hopper kernel's, or the Triton dK/dV kernel's when `atomic`)
-    its float32 buffer is zeroed by the preprocessing launch, which reads every row anyway."""
+    that are never zeroed (each launch reads only rows an earlier one wrote:
+    triton_plans.seen_rows). Where dq is summed by atomics (the Hopper kernel's, or the Triton
+    dK/dV kernel's when `atomic`) its float32 buffer is zeroed by the preprocessing launch,
+    which reads every row anyway."""
 
     def __init__(self, call: Call, plans, out: torch.Tensor):
         q, k, v = call.q, call.k, call.v

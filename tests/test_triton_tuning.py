@@ -113,7 +113,7 @@ def test_calls_read_no_environment(monkeypatch):
 def test_plans_are_left_alone():
     """The lowering's per-plan tensors live in its own caches: a plan gains no attribute, and an
     entry goes when its plan does."""
-    from hilbert_fx.lowering import gluon_forward, triton_lowering
+    from hilbert_fx.lowering import gluon_forward, triton_lowering, triton_plans
     fields = {f.name for f in dataclasses.fields(BranchPlan)}
     plans = [branch_plan(40, 16, 2, True), branch_plan(40, 8, 1, False)]
     q, k, v, dout = _inputs()
@@ -125,13 +125,13 @@ def test_plans_are_left_alone():
         assert set(vars(p)) == fields
 
     fresh = BranchPlan(16, 2, 40, plans[0].positions.clone(), plans[0].counts.clone())
-    before = len(triton_lowering._plan_cache)
-    first = triton_lowering._plan_tensors(fresh, torch.device("cpu"))
-    assert triton_lowering._plan_tensors(fresh, torch.device("cpu")) is first
-    assert len(triton_lowering._plan_cache) == before + 1
+    before = len(triton_plans._plan_cache)
+    first = triton_plans.plan_tensors(fresh, torch.device("cpu"))
+    assert triton_plans.plan_tensors(fresh, torch.device("cpu")) is first
+    assert len(triton_plans._plan_cache) == before + 1
     del fresh, first
     gc.collect()
-    assert len(triton_lowering._plan_cache) == before
+    assert len(triton_plans._plan_cache) == before
 
 
 def test_plan_cache_keeps_entries_of_other_plans_at_a_reused_address():
@@ -156,7 +156,7 @@ def _kernel_params(kernel):
     return names
 
 
-SHARED = ["Q", "K", "V", "DO", "Pos", "Cnt", "Mask", "Seed",
+SHARED = ["Q", "K", "V", "DO", "Pos", "Cnt", "Mask", "Seed", "Rows",
           "stride_qb", "stride_qh", "stride_qn", "stride_qd",
           "stride_kb", "stride_kh", "stride_kn", "stride_kd",
           "stride_vb", "stride_vh", "stride_vn", "stride_vd",
@@ -176,7 +176,8 @@ def test_kernels_take_the_shared_operands(kernel, own, after, backward):
     (DO and its strides only in the backward's), then its own scalars."""
     from hilbert_fx.lowering import triton_kernels, triton_lowering
     q, k, v, dout = _inputs()
-    call = triton_lowering._call(q, k, v, None, 0.0, None, 0.3, False,
+    call = triton_lowering._call(q, k, v, attn_mask=None, dropout_p=0.0, seed=None,
+                                 dropout_rows=None, scale=0.3, is_causal=False,
                                  dout=dout if backward else None)
     operands = call.operands(call.branch(branch_plan(40, 16, 2, True)))
     shared = [n for n in SHARED if backward or not (n == "DO" or n.startswith("stride_do"))]
