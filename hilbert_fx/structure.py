@@ -11,10 +11,15 @@ where it is one of these structures, calls the op with the structure instead of 
 - causal and same run of consecutive position ids (transformers' packed sequences,
   DataCollatorWithFlattening's restart at 0): is_causal, position_ids = each token's place in
   its run (`run_positions`);
-- causal and the key not padding (a 2-D padding mask): is_causal, position_ids = cumsum(mask) - 1,
-  -1 on padding (`padding_positions`);
+- the key not padding (a 2-D padding mask), causal (decoders) or not (encoders: BERT's
+  bidirectional mask): position_ids = cumsum(mask) - 1, -1 on padding (`padding_positions`).
+  The real tokens of a row are its one sequence wherever the padding lies: left, right, or
+  between them (a mask with holes, whose real tokens the op reads as consecutive);
 - same document id (FlexAttention's document masks), causal or not: each row's tokens put in
   document order (`document_order`), position_ids = each token's place in its document;
+- either kind of documents and a 2-D padding mask (packed rows padded to a fixed length):
+  position_ids = each real token's place among its document's real tokens, -1 on padding
+  (`padded_run_positions`, `padded_document_positions`);
 - queries shorter than keys, where the keys are a cache: torch.cat of the cached rows and the
   rows this step computed (DynamicCache: the mask must be causal aligned bottom-right, or absent
   for one query), or a buffer this step wrote its rows into (StaticCache: index_copy_ /
@@ -58,10 +63,31 @@ def run_positions(position_ids: torch.Tensor) -> torch.Tensor:
 
 def padding_positions(mask: torch.Tensor) -> torch.Tensor:
     """[B, N] int64 from a 2-D padding mask (nonzero on real tokens): cumsum(mask) - 1 on real
-    tokens, -1 on padding. The real tokens of a row must be consecutive (left or right padding):
-    the op refuses positions that do not count 0, 1, 2, ... along a sequence."""
+    tokens, -1 on padding. Padding between real tokens is skipped: the op reads a row's real
+    tokens as one sequence, 0, 1, 2, ..., as the mask lets each see the others."""
     real = mask.reshape(-1, mask.shape[-1]) != 0
     return torch.where(real, real.to(torch.int64).cumsum(-1) - 1, -1)
+
+
+def _places(start: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Each real token's place among the real tokens from `start` (the index of the first token
+    of its run) on; -1 on padding. Padding anywhere in a run is skipped, so the real tokens of a
+    run count 0, 1, 2, ... whatever lies between them (lowering/sequences.py reads them so)."""
+    count = real.to(torch.int64).cumsum(-1)
+    before = count.gather(-1, start) - real.gather(-1, start).to(torch.int64)
+    return torch.where(real, count - before - 1, -1)
+
+
+def padded_run_positions(position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, N] int64: each real token's place among the real tokens of its run of consecutive
+    position ids (packed documents), -1 where the 2-D padding mask is 0."""
+    n = position_ids.shape[-1]
+    p = position_ids.reshape(-1, n).to(torch.int64)
+    p, real = torch.broadcast_tensors(p, mask.reshape(-1, n) != 0)
+    index = torch.arange(n, device=p.device)
+    before = torch.cat([p[:, :1] - 1, p[:, :-1]], dim=-1)
+    start = torch.where(p - before != 1, index, 0).cummax(dim=-1).values
+    return _places(start, real)
 
 
 def tensor_offset(counter: torch.Tensor, const: int) -> torch.Tensor:
@@ -99,6 +125,19 @@ def document_positions(ids: torch.Tensor) -> torch.Tensor:
     new = (ordered != before) | (index == 0)
     start = torch.where(new, index, 0).cummax(dim=-1).values
     return index - start
+
+
+def padded_document_positions(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, N] int64, read in document order (`document_order`): each real token's place among
+    the real tokens of its document, -1 where the 2-D padding mask is 0."""
+    n = ids.shape[-1]
+    ids, real = torch.broadcast_tensors(ids.reshape(-1, n), mask.reshape(-1, n) != 0)
+    order = torch.sort(ids, dim=-1, stable=True).indices
+    ordered, real = ids.gather(-1, order), real.gather(-1, order)
+    index = torch.arange(n, device=ids.device)
+    before = torch.cat([ordered[:, :1], ordered[:, :-1]], dim=-1)
+    start = torch.where((ordered != before) | (index == 0), index, 0).cummax(dim=-1).values
+    return _places(start, real)
 
 
 def first_keys(position_ids: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -384,9 +423,11 @@ def read_site(flow, q, k, v, attn_mask, is_causal: bool, site: fx.Node, atoms=No
         (atom,) = rest
         ex = example(atom.node) if isinstance(atom, Rel) else None
         trim = isinstance(ex, torch.Tensor) and not same_size(ex.shape[-1], nk)
-        if isinstance(atom, Rel) and atom.kind == "key" and causal and ex.dim() == 2:
-            return Sequences(f"causal with padding (position_ids = cumsum of the 2-D mask - 1)"
-                             f"{where}", True, Recipe(padding_positions, (atom.node,)),
+        if isinstance(atom, Rel) and atom.kind == "key" and ex.dim() == 2:
+            # a cache came with causal (checked above); without one, either way
+            return Sequences(("causal with padding" if causal else "bidirectional with padding")
+                             + f" (position_ids = cumsum of the 2-D mask - 1, -1 on padding)"
+                             f"{where}", causal, Recipe(padding_positions, (atom.node,)),
                              seqused, None, new_kv, trim), ""
         if isinstance(atom, Rel) and atom.kind == "same_run" and cache is None:
             return Sequences(("causal, " if causal else "") + "packed sequences (position_ids "
@@ -397,11 +438,10 @@ def read_site(flow, q, k, v, attn_mask, is_causal: bool, site: fx.Node, atoms=No
                              "document, position_ids within each)", causal,
                              Recipe(document_positions, (atom.node,)), None,
                              Recipe(document_order, (atom.node,))), ""
-    if not causal and cache is None and [a.kind for a in rest if isinstance(a, Rel)] == ["key"] \
-            and len(rest) == 1:
-        # bidirectional with padding: kept as a mask (a right-padded row is computed as the row
-        # alone; a left-padded one is not)
-        return None, "a padding mask without causal is passed as a mask"
+    if len(rest) == 2 and cache is None and all(isinstance(a, Rel) for a in rest):
+        padded = _padded_documents(rest, causal, nk)
+        if padded is not None:
+            return padded, ""
     names = sorted({"pos_le": "causal over position ids", "same_run": "same run of position ids",
                     "same_id": "same document id", "key": "a padding mask",
                     "key_le": "keys up to the cache position"}.get(a.kind, a.kind)
@@ -410,6 +450,33 @@ def read_site(flow, q, k, v, attn_mask, is_causal: bool, site: fx.Node, atoms=No
                    for a in rest)
     return None, (f"the mask combines {', '.join(names)}{' with causal' if causal else ''}: not "
                   f"one sequence structure the op takes")
+
+
+def _padded_documents(rest, causal: bool, nk) -> Optional[Sequences]:
+    """Packed documents (runs of consecutive position ids, or document ids) and a 2-D padding
+    mask: position_ids = each real token's place among its document's real tokens, -1 on
+    padding. None where the two per-token tensors are not that pair over the same tokens."""
+    keys = [a for a in rest if a.kind == "key"]
+    docs = [a for a in rest if a.kind in ("same_run", "same_id")]
+    if len(keys) != 1 or len(docs) != 1:
+        return None
+    (key,), (doc,) = keys, docs
+    kex, dex = example(key.node), example(doc.node)
+    if not (isinstance(kex, torch.Tensor) and isinstance(dex, torch.Tensor)) or kex.dim() != 2 \
+            or dex.dim() not in (1, 2) or not same_size(kex.shape[-1], dex.shape[-1]):
+        return None
+    trim = not same_size(kex.shape[-1], nk)
+    head = "causal, " if causal else ""
+    if doc.kind == "same_run":
+        return Sequences(f"{head}packed sequences with padding (position_ids from runs of "
+                         f"consecutive position ids, -1 on padding)", causal,
+                         Recipe(padded_run_positions, (doc.node, key.node)), trim=trim)
+    if trim:  # the rows are put in document order: the order must cover k's rows exactly
+        return None
+    return Sequences(f"{head}documents by id with padding (rows sorted by document, "
+                     f"position_ids within each, -1 on padding)", causal,
+                     Recipe(padded_document_positions, (doc.node, key.node)), None,
+                     Recipe(document_order, (doc.node,)))
 
 
 def _offset_recipe(flow, k):

@@ -42,24 +42,36 @@ def positions_from_cu_seqlens(cu_seqlens: Tensor, batch: int, n: int) -> Tensor:
     return torch.where(inside, t - start, -1).view(batch, n)
 
 
+def _broken(positions: Tensor) -> Tensor:
+    """[B, N] bool: the tokens whose position does not continue their sequence. A sequence
+    counts 0, 1, 2, ... along one batch row, padding between its tokens skipped (a padding mask
+    with holes: the real tokens of the row are one sequence), so a positive position must follow
+    the batch row's last non-padding token before it, at position p - 1."""
+    n = positions.shape[-1]
+    rows = positions.reshape(positions.shape[:-1].numel(), n).to(torch.int64)
+    if n == 0:
+        return rows.bool()
+    index = torch.arange(n, device=rows.device)
+    last = torch.where(rows >= 0, index, -1).cummax(dim=-1).values
+    before = torch.cat([last.new_full((last.shape[0], 1), -1), last[:, :-1]], dim=-1)
+    prev = torch.where(before >= 0, rows.gather(-1, before.clamp(min=0)), -1)
+    return (rows > 0) & (prev != rows - 1)
+
+
 def sequence_plans(positions: Tensor, segment_lengths, dilation_rates, hilbert: bool) -> list[BranchPlan]:
     """The branch plans of rows whose tokens have `positions` [B, N] (negative: padding), over
     the B * N tokens as one row (row b's token i is token b * N + i).
 
-    Token t at position p lies in segment p // w of the sequence starting at token t - p; its
-    in-segment position p % w decides its offset class and its place in the class (plans.class_of),
-    so the sets come from one scatter. The number of segments is read on the host (one
+    Token t at position p lies in segment p // w of its sequence (the tokens since the last
+    position 0 of its batch row, padding skipped); its in-segment position p % w decides its
+    offset class and its place in the class (plans.class_of), so the sets come from one scatter. The number of segments is read on the host (one
     synchronisation per call, with the check of the positions): the plans' tensors are sized by it."""
     flat = positions.reshape(-1).to(torch.int64)
     total = flat.numel()
     device = flat.device
     tokens = torch.arange(total, device=device)
     valid = flat >= 0
-    # a sequence counts 0, 1, 2, ... on consecutive rows of one batch row: a positive position
-    # continues the token before it
-    prev = torch.cat([flat.new_full((1,), -1), flat[:-1]])
-    row_start = tokens % positions.shape[-1] == 0
-    broken = (flat > 0) & ((prev != flat - 1) | row_start)
+    broken = _broken(positions)
     p = flat.clamp(min=0)
     starts = [valid & (p % w == 0) for w in segment_lengths]
     counts = torch.stack([broken.sum(), valid.all().to(torch.int64)] + [s.sum() for s in starts])
@@ -68,7 +80,7 @@ def sequence_plans(positions: Tensor, segment_lengths, dilation_rates, hilbert: 
         raise ValueError(
             "position_ids (or cu_seqlens, read as positions) must count 0, 1, 2, ... along each "
             "sequence: a sequence starts at position 0 and does not cross a batch row; negative "
-            "positions are padding")
+            "positions are padding, skipped where they fall between a sequence's tokens")
     plans = []
     for w, r, start, s in zip(segment_lengths, dilation_rates, starts, num_segments):
         table = tables(w, r, hilbert, device)[1]

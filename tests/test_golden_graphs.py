@@ -71,6 +71,18 @@ def packed_documents(x, w, position_ids):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def encoder_padded(x, w, attention_mask):
+    """An encoder over a 2-D padding mask, as transformers builds it for BERT and RoBERTa
+    (sdpa_mask: bidirectional, q_idx >= 0, and the key not padding, expanded to [B, 1, N, N])."""
+    b, n, _ = x.shape
+    q, k, v = (x @ w).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+    padding = attention_mask.bool()
+    batch = torch.arange(b)[:, None, None, None]
+    qi, ki = torch.arange(n)[None, None, :, None], torch.arange(n)[None, None, None, :]
+    mask = ((qi >= 0) & padding[batch, ki]).expand(b, -1, n, n)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def decode_dynamic_cache(x, w, past_k, past_v):
     """One query against a DynamicCache: the cached rows and this step's, concatenated."""
     q, k, v = (x @ w).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
@@ -252,6 +264,27 @@ def forward(self, L_x_ : torch.Tensor, L_w_ : torch.nn.parameter.Parameter, L_po
     dilated_attention_varlen_default = torch.ops.hilbert_fx.dilated_attention_varlen.default(q, k, v, [8, 16], [1, 2], True, True, None, 0.0, None, 0.35355339059327373, 'sdpa', run_positions, None)
     getitem_11 = dilated_attention_varlen_default[0]
     return (getitem_11,)""")
+
+    def test_sdpa_encoder_with_padding(self):
+        x, w = torch.randn(2, 12, 16), torch.nn.Parameter(torch.randn(16, 48))
+        attention_mask = torch.ones(2, 12, dtype=torch.long)
+        attention_mask[1, :5] = 0
+        self.assertExpectedInline(graph_after(encoder_padded, x, w, attention_mask), """\
+def forward(self, L_x_ : torch.Tensor, L_w_ : torch.nn.parameter.Parameter, L_attention_mask_ : torch.Tensor):
+    l_x_ = L_x_
+    l_w_ = L_w_
+    l_attention_mask_ = L_attention_mask_
+    matmul = l_x_ @ l_w_
+    unflatten = matmul.unflatten(-1, (3, 2, 8))
+    permute = unflatten.permute(2, 0, 3, 1, 4)
+    q = permute[0]
+    k = permute[1]
+    v = permute[2]
+    padding = l_attention_mask_.bool()
+    padding_positions = hilbert_fx_structure_padding_positions(padding)
+    dilated_attention_varlen_default = torch.ops.hilbert_fx.dilated_attention_varlen.default(q, k, v, [8, 16], [1, 2], True, False, None, 0.0, None, 0.35355339059327373, 'sdpa', padding_positions, None)
+    getitem_7 = dilated_attention_varlen_default[0]
+    return (getitem_7,)""")
 
     def test_sdpa_decoding_against_a_dynamic_cache(self):
         x, w = torch.randn(1, 1, 16), torch.nn.Parameter(torch.randn(16, 48))

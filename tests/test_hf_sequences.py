@@ -4,6 +4,10 @@ what a user does around a sequence does not change what the compiled model compu
 - packed documents (position_ids restarting at 0, as DataCollatorWithFlattening packs them)
   give each document's logits and gradients as the document alone;
 - a left- or right-padded batch gives each row's logits as the row alone;
+- an encoder's (BERT, RoBERTa) left-, right- or hole-padded batch gives each row's hidden
+  states as the row alone (transformers' bidirectional mask with a 2-D padding mask);
+- packed documents padded to a fixed length (a 4-D mask from transformers' own mask functions:
+  same document, and the key not padding), causal or bidirectional, give each document alone;
 - generate() with the dynamic and the static cache (hilbert_fx.compile_for_generate) picks, at
   each of 20 steps, the argmax of a full forward of the compiled model over the sequence so far.
 
@@ -41,12 +45,28 @@ def qwen2(impl="sdpa"):
         bos_token_id=1, eos_token_id=2, attn_implementation=impl))
 
 
+def bert(impl="sdpa"):
+    return transformers.BertModel(transformers.BertConfig(
+        num_hidden_layers=LAYERS, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        vocab_size=VOCAB, max_position_embeddings=256, pad_token_id=0,
+        attn_implementation=impl), add_pooling_layer=False)
+
+
+def roberta(impl="sdpa"):
+    """Its position ids count the tokens that are not pad_token_id: padding anywhere is skipped."""
+    return transformers.RobertaModel(transformers.RobertaConfig(
+        num_hidden_layers=LAYERS, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        vocab_size=VOCAB, max_position_embeddings=256, pad_token_id=1,
+        attn_implementation=impl), add_pooling_layer=False)
+
+
 FAMILIES = {"llama": llama, "qwen2": qwen2, "llama-eager": lambda: llama("eager")}
+ENCODERS = {"bert": bert, "roberta": roberta, "bert-eager": lambda: bert("eager")}
 
 
 def model_of(family):
     torch.manual_seed(0)
-    return FAMILIES[family]().eval()
+    return {**FAMILIES, **ENCODERS}[family]().eval()
 
 
 def described(be):
@@ -153,6 +173,115 @@ def test_padded_rows_equal_each_row_alone(family, side):
             torch.testing.assert_close(batch[b][mask[b].bool()], alone, atol=ATOL, rtol=RTOL)
     assert all(s.action == "rewritten" and s.attn_mask is None and "padding" in s.sequences.what
                for s in batch_sites), described(be)
+
+
+def placed(rows, n, layout, pad_id=0, seed=0):
+    """(ids, mask) [len(rows), n]: each row's tokens at the left or right end, or spread over the
+    row in order with padding between them ("holes")."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), n, dtype=torch.long)
+    for b, row in enumerate(rows):
+        m = row.shape[1]
+        where = {"left": torch.arange(n - m, n), "right": torch.arange(m),
+                 "holes": torch.randperm(n, generator=g)[:m].sort().values}[layout]
+        ids[b, where], mask[b, where] = row[0], 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", list(ENCODERS))
+def test_encoder_padded_rows_equal_each_row_alone(family):
+    """A row of 30 tokens in a batch of 41-token rows, padded on the left, on the right, or with
+    padding between its tokens: its real tokens get the hidden states of the row alone (BERT is
+    given position_ids that skip the padding, as a user gives them; RoBERTa makes its own).
+    transformers' bidirectional mask with a 2-D padding mask became position_ids, -1 on padding
+    (no N x N mask), and explain's rows say so."""
+    model = model_of(family)
+    pad_id = model.config.pad_token_id
+    rows = [tokens(30, 1), tokens(41, 2)]
+    torch._dynamo.reset()
+    be = recording_backend(W, R)
+    compiled = torch.compile(model, backend=be)
+    with torch.no_grad():
+        alone = compiled(input_ids=rows[0]).last_hidden_state[0]
+        be.records.clear()
+        for layout in ("left", "right", "holes"):
+            ids, mask = placed(rows, 41, layout, pad_id, seed=3)
+            kwargs = dict(input_ids=ids, attention_mask=mask)
+            if family.startswith("bert"):
+                kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+            batch = compiled(**kwargs).last_hidden_state
+            torch.testing.assert_close(batch[0][mask[0].bool()], alone, atol=ATOL, rtol=RTOL,
+                                       msg=lambda m: f"{layout}: {m}")
+            assert torch.isfinite(batch).all()
+        batch_sites = recorded_sites(be)
+        dense = model(input_ids=rows[0]).last_hidden_state[0]
+    assert batch_sites and all(
+        s.action == "rewritten" and not s.is_causal and s.attn_mask is None
+        and "bidirectional with padding" in s.sequences.what for s in batch_sites), described(be)
+    assert (alone - dense).abs().max() > 1e-3  # the pattern matters at these lengths
+    if family == "bert":
+        with torch.no_grad():
+            report = hilbert_fx.explain(model, **kwargs,
+                                        backend=hilbert_fx.backend(W, R, lowering="sdpa"))
+        assert str(report).count("bidirectional with padding") == LAYERS, report
+
+
+def packed_padded(lengths, pads, seed=0):
+    """(ids, position_ids, mask, documents) of one row: documents of `lengths` with `pads[i]`
+    padding tokens before document i (and pads[-1] after the last). The padding's position ids
+    are 0 before a document and continue the document before it after one, so that in either
+    case it shares a run of consecutive position ids with real tokens."""
+    docs = [tokens(n, seed + i) for i, n in enumerate(lengths)]
+    ids, pos, mask = [], [], []
+    for i, pad in enumerate(pads):
+        last = pos[-1] + 1 if pos else 0
+        ids += [0] * pad
+        pos += list(range(last, last + pad)) if i == len(lengths) else [0] * pad
+        mask += [0] * pad
+        if i < len(lengths):
+            ids += docs[i][0].tolist()
+            pos += list(range(lengths[i]))
+            mask += [1] * lengths[i]
+    return (torch.tensor([ids]), torch.tensor([pos]), torch.tensor([mask]), docs)
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_packed_and_padded_rows_equal_each_document_alone(family):
+    """Packed documents padded to a fixed length, the mask built in the compiled function by
+    transformers' own mask functions (causal for Llama, bidirectional for BERT; and the same run
+    of consecutive position ids; and the key not padding), handed to the model as a 4-D mask:
+    each document's outputs equal the document alone, and the site took position_ids = the place
+    in the run on real tokens, -1 on padding."""
+    from transformers.masking_utils import (and_masks, bidirectional_mask_function,
+                                            causal_mask_function, find_packed_sequence_indices,
+                                            packed_sequence_mask_function, sdpa_mask)
+    model = model_of(family)
+    causal = family == "llama"
+
+    def forward(ids, position_ids, mask):
+        documents = find_packed_sequence_indices(position_ids)
+        full = sdpa_mask(batch_size=ids.shape[0], q_length=ids.shape[1], kv_length=ids.shape[1],
+                         mask_function=and_masks(
+                             causal_mask_function if causal else bidirectional_mask_function,
+                             packed_sequence_mask_function(documents)),
+                         attention_mask=mask.bool(), allow_is_causal_skip=False)
+        out = model(input_ids=ids, position_ids=position_ids, attention_mask=full)
+        return out.logits if causal else out.last_hidden_state
+
+    ids, position_ids, mask, docs = packed_padded((13, 21, 9), (3, 0, 2, 4))
+    torch._dynamo.reset()
+    be = recording_backend(W, R)
+    compiled = torch.compile(forward, backend=be)
+    with torch.no_grad():
+        packed = compiled(ids, position_ids, mask)[0]
+        packed_sites = recorded_sites(be)
+        alone = [compiled(d, torch.arange(d.shape[1])[None], torch.ones_like(d))[0] for d in docs]
+    torch.testing.assert_close(packed[mask[0].bool()], torch.cat(alone), atol=ATOL, rtol=RTOL)
+    assert [s.action for s in packed_sites] == ["rewritten"] * LAYERS, described(be)
+    assert all(s.is_causal == causal and s.attn_mask is None
+               and "packed sequences with padding" in s.sequences.what
+               for s in packed_sites), described(be)
 
 
 GENERATE = [("llama", "dynamic", 1), ("llama", "static", 1), ("llama", "dynamic", 2),

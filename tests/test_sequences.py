@@ -278,6 +278,98 @@ def test_padding_equals_unpadded(side, causal, hilbert, dtype):
         assert_matches(a[:, :, padding], torch.zeros(1, 2, Np - n, 4), f"d{name} padding", dtype)
 
 
+# Padding between the tokens of one sequence (a padding mask with holes, [1, 0, 1, 1]): the
+# positions skip it, and the sequence is its real tokens alone, as if the padding were removed.
+HOLES = torch.tensor([
+    [0, -1, 1, 2, -1, -1, 3, 4, 5, 0, 1, -1, 2, 3, -1],  # two sequences, each with holes
+    [-1, 0, 1, -1, 2, 3, 4, 5, 6, 7, 8, -1, 9, 10, 11],  # one, holes inside its segments
+])
+
+
+def holes_case(pos, *, causal, hilbert, lowering="sdpa", dtype=torch.float32, Hq=4, Hkv=2,
+               seed=0):
+    """The op on rows whose sequences have padding between their tokens, against the float64
+    reference on each row with its padding removed; padding rows 0, with no gradient."""
+    torch.manual_seed(seed)
+    B, n = pos.shape
+    q = torch.randn(B, Hq, n, 4, dtype=dtype)
+    k, v = (torch.randn(B, Hkv, n, 4, dtype=dtype) for _ in range(2))
+    pad = pos < 0
+    for t in (q, k, v):
+        t.transpose(1, 2)[pad] *= JUNK
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    kw = dict(hilbert=hilbert, is_causal=causal, enable_gqa=Hq != Hkv)
+    out = hilbert_fx.dilated_attention(q, k, v, *BR_B, position_ids=pos, lowering=lowering, **kw)
+    g = torch.randn(out.shape, dtype=dtype)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    for b in range(B):
+        real = ~pad[b]
+        qd, kd, vd = (t.detach()[b:b + 1, :, real].double().requires_grad_() for t in (q, k, v))
+        ref = reference_sequences(qd, kd, vd, *BR_B, position_ids=pos[b, real], **kw)
+        exp = torch.autograd.grad(ref, (qd, kd, vd), g[b:b + 1, :, real].double())
+        what = f"row {b} {lowering} causal={causal} hilbert={hilbert}"
+        assert_matches(out[b:b + 1, :, real], ref, what, dtype)
+        assert torch.equal(out[b, :, ~real], torch.zeros_like(out[b, :, ~real])), what
+        sc = max(1.0, *(t.abs().max().item() for t in (ref, *exp)))
+        for name, a, e in zip("qkv", grads, exp):
+            assert_matches(a[b:b + 1, :, real], e, f"d{name} {what}", dtype, scale=sc)
+            assert torch.equal(a[b, :, ~real], torch.zeros_like(a[b, :, ~real])), f"d{name} {what}"
+
+
+@pytest.mark.parametrize("hilbert", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_between_tokens_is_skipped(causal, hilbert):
+    holes_case(HOLES, causal=causal, hilbert=hilbert, seed=23)
+
+
+def test_padding_between_tokens_is_skipped_triton():
+    require_triton()
+    holes_case(HOLES, causal=True, hilbert=True, lowering="triton", seed=24)
+
+
+@pytest.mark.parametrize("nq", [17])
+def test_long_chunk_with_padding_between_cached_tokens(nq):
+    """A chunk of more queries than a decode step takes, against a cache whose rows hold padding
+    between a sequence's tokens: the chunk runs as rows of the sequences' sets."""
+    nk = HOLES.shape[1] + 6
+    pos = torch.cat([HOLES, HOLES[:, -1:] + 1 + torch.arange(6)], 1)
+    q_rows = torch.arange(nk - nq, nk)
+    torch.manual_seed(25)
+    q = torch.randn(2, 2, nq, 4, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, nk, 4, dtype=torch.float64) for _ in range(2))
+    out = hilbert_fx.dilated_attention(q, k, v, *BR_B, hilbert=True, is_causal=True,
+                                       position_ids=pos, lowering="sdpa")
+    for b in range(2):
+        real = pos[b] >= 0
+        full_q = torch.zeros(1, 2, nk, 4, dtype=torch.float64)
+        full_q[0, :, q_rows] = q[b]
+        ref = reference_sequences(full_q[:, :, real], k[b:b + 1, :, real], v[b:b + 1, :, real],
+                                  *BR_B, position_ids=pos[b, real], hilbert=True, is_causal=True)
+        asked = real[q_rows]
+        rows_of_real = real.cumsum(0) - 1  # where each real row lands once padding is removed
+        assert_matches(out[b][:, asked], ref[0][:, rows_of_real[q_rows][asked]], f"row {b}",
+                       torch.float64)
+        assert torch.equal(out[b][:, ~asked], torch.zeros_like(out[b][:, ~asked]))
+
+
+@pytest.mark.xfail(strict=True, reason="the decode path (lowering/decode.py, triton_decode.py) "
+                   "finds a query's keys at its row minus its position: padding between the "
+                   "cached tokens of its segment is read as keys")
+def test_decode_with_padding_between_cached_tokens():
+    """One query against a cache whose last segment holds a padding row: the query's keys are
+    the real rows alone."""
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, -1, 10, 11, 12]])
+    torch.manual_seed(26)
+    q = torch.randn(1, 2, 1, 4, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 14, 4, dtype=torch.float64) for _ in range(2))
+    out = hilbert_fx.dilated_attention(q, k, v, *BR_A, hilbert=True, is_causal=True,
+                                       position_ids=pos, lowering="sdpa")
+    real = pos[0] >= 0
+    ref = reference_sequences(q, k[:, :, real], v[:, :, real], *BR_A, hilbert=True,
+                              is_causal=True)
+    assert_matches(out, ref, "decode", torch.float64)
+
+
 # ----------------------------------------------------------------------------- a KV cache
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -526,6 +618,21 @@ def test_error_seqused_k_shape_dtype(bad):
     value = {"float": good.float(), "batch": torch.tensor([6, 4, 5]), "2d": good[None],
              "0d": torch.tensor(6)}[bad]
     _raises("seqused_k", q, k, v, is_causal=True, seqused_k=value)
+
+
+@pytest.mark.parametrize("row", [[0, 2, 3, 4], [1, 2, 3, 4], [0, 1, -1, 3], [-1, 1, 2, 3]],
+                         ids=["skips", "no_start", "skips_over_padding", "starts_after_padding"])
+def test_error_positions_that_do_not_count_along_a_sequence(row):
+    """A positive position continues the row's last real token before it, padding between them
+    skipped; anything else is no sequence."""
+    q, k, v = _qkv(B=1, Nq=4, Nk=4)
+    _raises("position_ids", q, k, v, position_ids=torch.tensor([row]))
+
+
+def test_error_a_sequence_does_not_cross_batch_rows():
+    q, k, v = _qkv(B=2, Nq=3, Nk=3)
+    _raises("position_ids", q, k, v, position_ids=torch.tensor([[0, 1, 2], [3, 4, 5]]))
+    _raises("position_ids", q, k, v, position_ids=torch.tensor([[0, 1, 2], [-1, 3, 4]]))
 
 
 def test_error_cu_seqlens_sequence_across_rows_names_cu_seqlens():
