@@ -228,6 +228,9 @@ def check(args, mesh, rank, world):
              hilbert=True, causal=True, hkv=2),
         dict(name="two shards", segs=[512, 2 * n], rates=[1, 4], hilbert=False, causal=False,
              hkv=None),
+        # the keep bits hash global positions: the ring drops what one GPU drops (same seed)
+        dict(name="dropout causal gqa", segs=[256, 1024, n_total], rates=[1, 2, 8],
+             hilbert=True, causal=True, hkv=2, dropout_p=0.1),
     ]
     sl = slice(rank * n, (rank + 1) * n)
     for cfg in configs:
@@ -239,9 +242,11 @@ def check(args, mesh, rank, world):
             q, k, v, do = make_inputs(n_total, sub, torch.float32, 7, DEV)
             # the ring: this rank's shard
             ql, kl, vl = (x[:, :, sl].to(dtype).clone().requires_grad_(True) for x in (q, k, v))
+            drop = cfg.get("dropout_p", 0.0)
+            torch.manual_seed(1234)  # the seed of a call with dropout: rank 0's is used
             out = ring_dilated_attention(ql, kl, vl, cfg["segs"], cfg["rates"],
                                          hilbert=cfg["hilbert"], is_causal=cfg["causal"],
-                                         lowering=lowering_ring, mesh=mesh)
+                                         dropout_p=drop, lowering=lowering_ring, mesh=mesh)
             out.backward(do[:, :, sl].to(dtype))
             mine = [out.detach(), ql.grad, kl.grad, vl.grad]
             gathered = []
@@ -252,9 +257,11 @@ def check(args, mesh, rank, world):
             if rank == 0:
                 def single(dt, low):
                     qf, kf, vf = (x.to(dt).clone().requires_grad_(True) for x in (q, k, v))
+                    torch.manual_seed(1234)
                     o = lowering.dilated_attention(qf, kf, vf, cfg["segs"], cfg["rates"],
                                                    hilbert=cfg["hilbert"],
                                                    is_causal=cfg["causal"],
+                                                   dropout_p=drop,
                                                    enable_gqa=cfg["hkv"] is not None,
                                                    lowering=low)
                     o.backward(do.to(dt))
