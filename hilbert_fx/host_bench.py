@@ -9,10 +9,18 @@ CPU) and for dense SDPA (is_causal), forward and forward+backward:
 Then a transformers Llama training step under torch.compile (--layers, --width), the dilated
 backend against dense (inductor, SDPA is_causal), and the ratio dense / dilated. Runs on the
 CPU (small defaults) as on a GPU.
+
+--op-layer: instead, the host time of the op's own layer (its front, checks, autograd and
+dispatch) with the lowering's forward and backward replaced by stand-ins that return tensors
+made once: per N, the median of --layer-calls calls each timed alone, forward (no grad) and
+forward+backward (torch.autograd.grad, so that no .grad is accumulated), on the eager path
+(what an eager call runs) and on the custom op's path (torch.ops.hilbert_fx.dilated_attention
+with its registered autograd: what a traced graph runs), the two taken in turn 3 times.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -68,6 +76,64 @@ def op_rows(args, device) -> list[str]:
             both = _timed(lambda fn=fn: fn().backward(grad), args.calls, device)
             cells += [f"{fwd[0]:.0f} / {fwd[1]:.0f}", f"{both[0]:.0f} / {both[1]:.0f}"]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _per_call_us(fn, calls: int, device: torch.device) -> float:
+    """Median CPU time of one call (us), each call timed alone."""
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def op_layer_rows(args, device) -> list[str]:
+    from .lowering import op as op_module
+    from .lowering.arguments import resolve_lowering
+    dtype = getattr(torch, args.dtype)
+    lower = op_module._lowering_module(resolve_lowering("auto", device))
+    real = lower.forward, lower.backward
+    lines = ["| N | path | forward us | fwd+bwd us |", "|---|---|---|---|"]
+    try:
+        for n in args.seq_lens:
+            shape = (1, args.heads, n, args.head_dim)
+            q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+                       for _ in range(3))
+            grad, out, dq, dk, dv = (torch.randn(shape, device=device, dtype=dtype)
+                                     for _ in range(5))
+            lse = torch.randn(shape[:3], device=device)
+            lower.forward = lambda *a, **kw: (out, lse)
+            lower.backward = lambda *a, **kw: (dq, dk, dv)
+
+            def call():
+                return dilated_attention(q, k, v, args.segment_lengths, args.dilation_rates,
+                                         hilbert=True, is_causal=True)
+
+            def forward():
+                with torch.no_grad():
+                    call()
+
+            def both():
+                torch.autograd.grad(call(), (q, k, v), grad)
+
+            paths = {"eager": contextlib.nullcontext, "custom op": op_module.custom_op_path}
+            times = {(path, fn): [] for path in paths for fn in (forward, both)}
+            for _ in range(3):
+                for path, context in paths.items():
+                    with context():
+                        for fn in (forward, both):
+                            for _ in range(10):  # warm: checks made, plans built
+                                fn()
+                            times[path, fn].append(_per_call_us(fn, args.layer_calls, device))
+            for path in paths:
+                lines.append(f"| {n} | {path} | {statistics.median(times[path, forward]):.1f} | "
+                             f"{statistics.median(times[path, both]):.1f} |")
+    finally:
+        lower.forward, lower.backward = real
     return lines
 
 
@@ -139,6 +205,10 @@ def parse_args(argv=None):
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--vocab", type=int, default=None, help="32000 on a GPU, 1000 on the CPU")
     p.add_argument("--steps", type=int, default=None, help="training steps per timing")
+    p.add_argument("--op-layer", action="store_true",
+                   help="the op's own layer, the lowering replaced by stand-ins (see above)")
+    p.add_argument("--layer-calls", type=int, default=500,
+                   help="calls per timing of --op-layer")
     args = p.parse_args(argv)
     gpu = args.device != "cpu"
     defaults = dict(seq_lens=[4096, 8192, 16384] if gpu else [256, 1024, 4096],
@@ -160,6 +230,12 @@ def main(argv=None):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}, {args.dtype}, B = 1, H = {args.heads}, "
           f"D = {args.head_dim}, causal, branches {list(zip(args.segment_lengths, args.dilation_rates))}")
+    if args.op_layer:
+        print("the op's layer alone (the lowering's forward and backward stand-ins), "
+              f"median of {args.layer_calls} calls")
+        for line in op_layer_rows(args, device):
+            print(line, flush=True)
+        return
     for line in op_rows(args, device):
         print(line, flush=True)
     if args.model_seq_lens:

@@ -3,19 +3,32 @@ implementation and a registered autograd formula, and `dilated_attention`, its p
 
 The custom op takes everything already checked and resolved (scale a float, lowering either
 "sdpa" or "triton"), so that a rewritten FX graph shows the lowering it will run.
+
+Two ways into the same forward and backward (`_run_forward`, `_run_backward`):
+- the custom ops, for everything that traces (torch.compile, export, make_fx, fake and functional
+  tensors, torch.func): they are what a graph shows, with their fake implementations, autograd
+  formula and autocast kernel;
+- `_EagerAttention`, a torch.autograd.Function, for the front called eagerly on plain tensors:
+  the custom op's dispatch, its autograd wrapper and its argument handling cost a few hundred
+  microseconds of host time per forward and backward, more than the Triton lowering's own
+  launches, and eager use traces nothing. It keeps what the custom op does there: autocast's
+  casts (lowering/autocast.py), no zero gradient made for an unused output, a refused double
+  backward.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._C import _functions as autograd_functions
 
 from . import decode, sdpa_lowering, sequences
 from .arguments import (check_branches, check_flags, check_lowering, check_same_dtype, problem,
                         resolve_lowering)
-from .autocast import register_autocast
+from .autocast import autocast_dtype, autocast_off, cast_args, register_autocast
 from .dropout import new_seed
 from .plans import branch_plans
 
@@ -65,27 +78,55 @@ def _rows_of(q: Tensor, k: Tensor, position_ids, seqused_k):
     return ("cache", sequences.cache_of(nq, nk, b, position_ids, seqused_k, q.device))
 
 
-def _forward(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p,
-             seed, scale, lowering, position_ids, seqused_k):
-    """(out, lse) in the compute dtype: plain rows, packed rows, or queries against a cache."""
+def _layout(q: Tensor, k: Tensor, segment_lengths, dilation_rates, hilbert, position_ids,
+            seqused_k):
+    """What the forward and the backward of a call both read of its rows: (kind, plans, cache)
+    with kind "plain", "packed", "decode" (few queries against a cache, no plans) or "chunk"
+    (many queries against a cache, placed at their rows). Built once per call on the eager
+    path, which hands it from the forward to the backward."""
     rows = _rows_of(q, k, position_ids, seqused_k)
-    lower = _lowering_module(lowering)
     if rows is None:
-        plans = branch_plans(q.shape[2], segment_lengths, dilation_rates, hilbert, q.device)
-        return lower.forward(q, k, v, plans, is_causal=is_causal, attn_mask=attn_mask,
-                             scale=scale, dropout_p=dropout_p, seed=seed)
+        return "plain", _plain_plans(q.shape[2], segment_lengths, dilation_rates, hilbert,
+                                     q.device), None
     kind, what = rows
     if kind == "cache" and q.shape[2] <= sequences.DECODE_MAX_QUERIES:
+        return "decode", None, what
+    if kind == "cache":
+        return "chunk", sequences.plans_of(what.key_positions, segment_lengths, dilation_rates,
+                                           hilbert), what
+    return "packed", sequences.plans_of(what, segment_lengths, dilation_rates, hilbert), None
+
+
+# The plans of plain rows by (N, flag, device, branches): one lookup per call, where plans.py
+# looks up each branch on its own.
+_plain: dict = {}
+
+
+def _plain_plans(n: int, segment_lengths, dilation_rates, hilbert: bool, device):
+    key = (n, hilbert, device, len(segment_lengths), *segment_lengths, *dilation_rates)
+    plans = _plain.get(key)
+    if plans is None:
+        if len(_plain) > 256:
+            _plain.clear()
+        plans = _plain[key] = branch_plans(n, segment_lengths, dilation_rates, hilbert, device)
+    return plans
+
+
+def _forward(q, k, v, layout, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
+             dropout_p, seed, scale, lowering):
+    """(out, lse) in the compute dtype: plain rows, packed rows, or queries against a cache."""
+    kind, plans, cache = layout
+    lower = _lowering_module(lowering)
+    if kind == "plain":
+        return lower.forward(q, k, v, plans, is_causal=is_causal, attn_mask=attn_mask,
+                             scale=scale, dropout_p=dropout_p, seed=seed)
+    if kind == "decode":
         return _decode_module(lowering).decode_forward(
-            q, k, v, what.key_positions, what.query_rows, segment_lengths, dilation_rates,
+            q, k, v, cache.key_positions, cache.query_rows, segment_lengths, dilation_rates,
             hilbert, scale)
     b = q.shape[0]
-    if kind == "cache":  # many queries: place them at their rows, run the sets of every row
-        positions, cache = what.key_positions, what
+    if kind == "chunk":  # many queries: place them at their rows, run the sets of every row
         q = _at_rows(q, cache.query_rows, k.shape[2])
-    else:
-        positions, cache = what, None
-    plans = sequences.plans_of(positions, segment_lengths, dilation_rates, hilbert)
     out, lse = lower.forward(sequences.flat_rows(q), sequences.flat_rows(k),
                              sequences.flat_rows(v), plans, is_causal=is_causal, attn_mask=None,
                              scale=scale, dropout_p=dropout_p, seed=seed)
@@ -117,6 +158,72 @@ def _from_rows(x: Tensor, rows: Tensor) -> Tensor:
     return picked.masked_fill(~inside, empty)
 
 
+def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _run_forward(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
+                 dropout_p, seed, scale, lowering, position_ids, seqused_k):
+    """(out in q's dtype, lse, layout): what both ways into the op compute; layout is None for
+    an empty output."""
+    check_same_dtype(q, k, v)
+    if _empty(q, v):  # as SDPA: empty in, empty out (the lowerings index a set's last member)
+        b, hq, n, _ = q.shape
+        return (q.new_zeros(b, hq, n, v.shape[-1]),
+                q.new_full((b, hq, n), float("-inf"),
+                           dtype=torch.promote_types(q.dtype, torch.float32)), None)
+    dtype = _compute_dtype(q, lowering)
+    layout = _layout(q, k, segment_lengths, dilation_rates, hilbert, position_ids, seqused_k)
+    out, lse = _forward(_as(q, dtype), _as(k, dtype), _as(v, dtype), layout, segment_lengths,
+                        dilation_rates, hilbert, is_causal, attn_mask, dropout_p, seed, scale,
+                        lowering)
+    return _as(out, q.dtype).contiguous(), lse.contiguous(), layout
+
+
+def _run_backward(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert, is_causal,
+                  attn_mask, dropout_p, seed, scale, lowering, position_ids, seqused_k,
+                  layout=None):
+    """(dq, dk, dv) in the inputs' dtypes; layout: the forward's, else built again."""
+    if _empty(q, v):  # every gradient has a zero-size dimension, or no row reaches it
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    if layout is None:
+        layout = _layout(q, k, segment_lengths, dilation_rates, hilbert, position_ids, seqused_k)
+    dtype = _compute_dtype(q, lowering)
+    dq, dk, dv = _backward_in(_as(dout, dtype), _as(q, dtype), _as(k, dtype), _as(v, dtype),
+                              _as(out, dtype), lse, layout, segment_lengths, dilation_rates,
+                              hilbert, is_causal, attn_mask, dropout_p, seed, scale, lowering)
+    return (_as(dq, q.dtype).contiguous(), _as(dk, k.dtype).contiguous(),
+            _as(dv, v.dtype).contiguous())
+
+
+def _backward_in(dout, q, k, v, out, lse, layout, segment_lengths, dilation_rates, hilbert,
+                 is_causal, attn_mask, dropout_p, seed, scale, lowering):
+    kind, plans, cache = layout
+    lower = _lowering_module(lowering)
+    if kind == "plain":
+        return lower.backward(dout, q, k, v, out, lse, plans, is_causal=is_causal,
+                              attn_mask=attn_mask, scale=scale, dropout_p=dropout_p, seed=seed)
+    if kind == "decode":
+        # few queries (a decoding step) have no backward kernel: decode.py's torch operations
+        return decode.decode_backward(dout, q, k, v, out, lse, cache.key_positions,
+                                      cache.query_rows, segment_lengths, dilation_rates, hilbert,
+                                      scale)
+    b, nk = q.shape[0], k.shape[2]
+    if kind == "chunk":  # the gradients of the rows that hold no query are 0 (dout 0 there)
+        rows_q = cache.query_rows
+        q, dout, out = (_at_rows(x, rows_q, nk) for x in (q, dout, out))
+        lse = _at_rows(lse.unsqueeze(-1), rows_q, nk).squeeze(-1)
+    flat = sequences.flat_rows
+    dq, dk, dv = lower.backward(flat(dout), flat(q), flat(k), flat(v), flat(out),
+                                lse.transpose(0, 1).reshape(1, lse.shape[1], -1),
+                                plans, is_causal=is_causal, attn_mask=None, scale=scale,
+                                dropout_p=dropout_p, seed=seed)
+    dq, dk, dv = (sequences.batch_rows(x, b) for x in (dq, dk, dv))
+    if kind == "chunk":
+        dq = _from_rows(dq, cache.query_rows)
+    return dq, dk, dv
+
+
 def _op_forward(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[int],
                 dilation_rates: list[int], hilbert: bool, is_causal: bool,
                 attn_mask: Optional[Tensor], dropout_p: float, seed: Optional[Tensor],
@@ -126,16 +233,10 @@ def _op_forward(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[int],
 
     position_ids (int64 [B, Nk] or [1, Nk], negative: padding) and seqused_k (int64 [B]) are the
     sequence structure of SPEC section 5, already checked and normalised by the front."""
-    check_same_dtype(q, k, v)
-    if _empty(q, v):  # as SDPA: empty in, empty out (the lowerings index a set's last member)
-        b, hq, n, _ = q.shape
-        return (q.new_zeros(b, hq, n, v.shape[-1]),
-                q.new_full((b, hq, n), float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32)))
-    dtype = _compute_dtype(q, lowering)
-    out, lse = _forward(q.to(dtype), k.to(dtype), v.to(dtype), segment_lengths, dilation_rates,
-                        hilbert, is_causal, attn_mask, dropout_p, seed, scale, lowering,
-                        position_ids, seqused_k)
-    return out.to(q.dtype).contiguous(), lse.contiguous()
+    out, lse, _ = _run_forward(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal,
+                               attn_mask, dropout_p, seed, scale, lowering, position_ids,
+                               seqused_k)
+    return out, lse
 
 
 def _op_fake(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p,
@@ -153,47 +254,9 @@ def _op_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse
                  seed: Optional[Tensor], scale: float, lowering: str,
                  position_ids: Optional[Tensor] = None,
                  seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    if _empty(q, v):  # every gradient has a zero-size dimension, or no row reaches it
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    dtype = _compute_dtype(q, lowering)
-    args = (dout.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), out.to(dtype), lse,
-            segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p, seed,
-            scale, lowering, position_ids, seqused_k)
-    dq, dk, dv = _backward_in(*args)
-    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
-
-
-def _backward_in(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert, is_causal,
-                 attn_mask, dropout_p, seed, scale, lowering, position_ids, seqused_k):
-    rows = _rows_of(q, k, position_ids, seqused_k)
-    lower = _lowering_module(lowering)
-    if rows is None:
-        plans = branch_plans(q.shape[2], segment_lengths, dilation_rates, hilbert, q.device)
-        return lower.backward(dout, q, k, v, out, lse, plans, is_causal=is_causal,
-                              attn_mask=attn_mask, scale=scale, dropout_p=dropout_p, seed=seed)
-    kind, what = rows
-    if kind == "cache" and q.shape[2] <= sequences.DECODE_MAX_QUERIES:
-        # few queries (a decoding step) have no backward kernel: decode.py's torch operations
-        return decode.decode_backward(dout, q, k, v, out, lse, what.key_positions,
-                                      what.query_rows, segment_lengths, dilation_rates, hilbert,
-                                      scale)
-    b, nk = q.shape[0], k.shape[2]
-    if kind == "cache":  # the gradients of the rows that hold no query are 0 (dout 0 there)
-        positions, rows_q = what.key_positions, what.query_rows
-        q, dout, out = (_at_rows(x, rows_q, nk) for x in (q, dout, out))
-        lse = _at_rows(lse.unsqueeze(-1), rows_q, nk).squeeze(-1)
-    else:
-        positions, rows_q = what, None
-    plans = sequences.plans_of(positions, segment_lengths, dilation_rates, hilbert)
-    flat = sequences.flat_rows
-    dq, dk, dv = lower.backward(flat(dout), flat(q), flat(k), flat(v), flat(out),
-                                lse.transpose(0, 1).reshape(1, lse.shape[1], -1),
-                                plans, is_causal=is_causal, attn_mask=None, scale=scale,
-                                dropout_p=dropout_p, seed=seed)
-    dq, dk, dv = (sequences.batch_rows(x, b) for x in (dq, dk, dv))
-    if rows_q is not None:
-        dq = _from_rows(dq, rows_q)
-    return dq, dk, dv
+    return _run_backward(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert,
+                         is_causal, attn_mask, dropout_p, seed, scale, lowering, position_ids,
+                         seqused_k)
 
 
 def _op_backward_fake(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert,
@@ -237,6 +300,68 @@ def _register(name: str, tags: tuple):
     return forward_op, backward_op
 
 
+class _EagerAttention(torch.autograd.Function):
+    """The op called eagerly on plain tensors (see the module's docstring): the custom op's
+    forward and backward without its dispatch. `args` is the custom op's arguments after q, k,
+    v; none of them takes a gradient (the front refuses a mask or structure that requires one).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, args):
+        out, lse, layout = _run_forward(q, k, v, *args)
+        segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p, seed, scale, \
+            lowering, _, _ = args
+        # every tensor the backward reads goes through save_for_backward, as the custom op's
+        # do, so that checkpointing and saved-tensor hooks see them; the structure arguments
+        # are read in the layout, which the backward takes from here
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, seed)
+        ctx.config = (segment_lengths, dilation_rates, hilbert, is_causal, dropout_p, scale,
+                      lowering)
+        ctx.layout = layout
+        ctx.set_materialize_grads(False)  # no zero gradient made where out is not used
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if not torch.is_grad_enabled():
+            return _EagerAttention.grads(ctx, dout)
+        # create_graph=True: gradients that take part in the graph but refuse a second
+        # backward, as those of the custom op's backward op (which has no autograd formula) do
+        with torch.no_grad():
+            grads = _EagerAttention.grads(ctx, dout)
+        return _refusing_second_backward(grads)
+
+    @staticmethod
+    def grads(ctx, dout):
+        if dout is None:
+            return None, None, None, None
+        q, k, v, out, lse, attn_mask, seed = ctx.saved_tensors
+        segment_lengths, dilation_rates, hilbert, is_causal, dropout_p, scale, lowering = \
+            ctx.config
+        dq, dk, dv = _run_backward(dout.contiguous(), q, k, v, out, lse, segment_lengths,
+                                   dilation_rates, hilbert, is_causal, attn_mask, dropout_p,
+                                   seed, scale, lowering, None, None, ctx.layout)
+        return dq, dk, dv, None
+
+
+# _EagerAttention.apply less its torch.func handling (unwrapping dead functorch wrappers), which
+# has nothing to do where _eager holds: no transform is active and the tensors are plain.
+_apply_eager_attention = super(torch.autograd.Function, _EagerAttention).apply
+
+_NO_DOUBLE_BACKWARD = (b"hilbert_fx.dilated_attention has no double backward: its gradients "
+                       b"come from kernels that have no derivative")
+
+
+def _refusing_second_backward(grads: tuple) -> tuple:
+    """The gradients, each behind a node that raises if a backward reaches it."""
+    present = [g.detach().requires_grad_() for g in grads if g is not None]
+    if not present:
+        return grads
+    refusing = autograd_functions.DelayedError(_NO_DOUBLE_BACKWARD, len(present))(*present)
+    refusing = iter(refusing if len(present) > 1 else (refusing,))
+    return tuple(None if g is None else next(refusing) for g in grads)
+
+
 dilated_attention_op, dilated_attention_backward_op = _register("dilated_attention", ())
 # The same op for calls whose plans are built from position tensors (packed rows, and long chunks
 # of queries against a cache): building them reads a count on the host, which a CUDA graph
@@ -269,23 +394,44 @@ _checked_calls: dict = {}
 
 def _call_key(q, k, v, attn_mask, position_ids, cu_seqlens, seqused_k, segment_lengths,
               dilation_rates, hilbert, is_causal, enable_gqa, dropout_p, scale, lowering):
-    """A hashable key of what the checks read, or None where a call is checked every time."""
-    tensors = (q, k, v, attn_mask, position_ids, cu_seqlens, seqused_k)
-    if not all(t is None or type(t) is Tensor for t in tensors):
-        return None
+    """A key of what the checks read, or None where a call is checked every time. Values go
+    with their types: True == 1 and np.int64(4) == 4, but the checks tell them apart."""
     if not (isinstance(segment_lengths, (list, tuple)) and isinstance(dilation_rates, (list, tuple))):
         return None
-    try:
-        return (tuple(None if t is None else (t.shape, t.dtype, t.device, t.requires_grad)
-                      for t in tensors),
-                tuple((type(x), x) for x in segment_lengths),
-                tuple((type(x), x) for x in dilation_rates),
-                tuple((type(x), x) for x in (hilbert, is_causal, enable_gqa, dropout_p, scale,
-                                              lowering)),
-                torch.is_autocast_enabled(q.device.type) if q.device.type in ("cpu", "cuda")
-                else None)
-    except TypeError:  # an unhashable argument: checked as it is
-        return None
+    flags = (hilbert, is_causal, enable_gqa, dropout_p, scale, lowering)
+    key = [tuple(segment_lengths), tuple(map(type, segment_lengths)), tuple(dilation_rates),
+           tuple(map(type, dilation_rates)), flags, tuple(map(type, flags))]
+    for t in (q, k, v, attn_mask, position_ids, cu_seqlens, seqused_k):
+        if t is None:
+            key.append(None)
+        elif type(t) is Tensor:
+            key += (t.shape, t.dtype, t.device, t.requires_grad)
+        else:
+            return None
+    device_type = q.device.type
+    key.append(torch.is_autocast_enabled(device_type) if device_type in ("cpu", "cuda") else None)
+    return tuple(key)
+
+
+def _checked_args(q, k, v, attn_mask, position_ids, cu_seqlens, seqused_k, segment_lengths,
+                  dilation_rates, hilbert, is_causal, enable_gqa, dropout_p, scale, lowering):
+    """_check_call's result, from the calls already checked where the key matches."""
+    args = (q, k, v, attn_mask, position_ids, cu_seqlens, seqused_k, segment_lengths,
+            dilation_rates, hilbert, is_causal, enable_gqa, dropout_p, scale, lowering)
+    key = _call_key(*args)
+    if key is not None:
+        try:
+            checked = _checked_calls.get(key)
+        except TypeError:  # an unhashable argument (an array as scale): checked as it is
+            return _check_call(*args)
+        if checked is not None:
+            return checked
+    checked = _check_call(*args)
+    if key is not None:
+        if len(_checked_calls) > 256:
+            _checked_calls.clear()
+        _checked_calls[key] = checked
+    return checked
 
 
 def _check_call(q, k, v, attn_mask, position_ids, cu_seqlens, seqused_k, segment_lengths,
@@ -303,6 +449,56 @@ def _check_call(q, k, v, attn_mask, position_ids, cu_seqlens, seqused_k, segment
     scale = 1.0 / math.sqrt(max(q.shape[-1], 1)) if scale is None else float(scale)
     return (list(segment_lengths), list(dilation_rates), hilbert, is_causal, scale,
             resolve_lowering(lowering, q.device))
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)  # types with no __torch_function__ of their own
+_custom_op_only = False  # set by custom_op_path()
+
+
+@contextlib.contextmanager
+def custom_op_path():
+    """Eager calls in this block go through the custom op, as traced ones do (for tests and
+    benchmarks that compare the two paths)."""
+    global _custom_op_only
+    before, _custom_op_only = _custom_op_only, True
+    try:
+        yield
+    finally:
+        _custom_op_only = before
+
+
+def _eager(*tensors) -> bool:
+    """Whether a call runs on the eager path: plain tensors (no fake, functional, meta or other
+    subclass of Tensor), with nothing tracing or transforming it (torch.compile, a dispatch
+    mode such as make_fx's, FakeTensorMode's or export's, a torch function mode, torch.func,
+    torch.jit.trace). Everything else calls the custom op, which all of these understand."""
+    if torch.compiler.is_compiling() or _custom_op_only:
+        return False
+    for t in tensors:
+        if t is not None and type(t) not in _PLAIN:
+            return False
+    return not (tensors[0].is_meta or torch._C._len_torch_dispatch_stack()
+                or torch._C._is_torch_function_mode_enabled()
+                or torch._C._are_functorch_transforms_active()
+                or torch._C._get_tracing_state() is not None)
+
+
+def _eager_call(q: Tensor, k: Tensor, v: Tensor, args: tuple) -> Tensor:
+    """The op's output on the eager path, autocast's casts made as the custom op's autocast
+    kernel makes them (lowering/autocast.py)."""
+    device_type = q.device.type
+    dtype = autocast_dtype(device_type)
+    if dtype is None:
+        return _eager_apply(q, k, v, args)
+    q, k, v, *args = cast_args((q, k, v, *args), device_type, dtype)
+    with autocast_off(device_type):
+        return _eager_apply(q, k, v, tuple(args))
+
+
+def _eager_apply(q: Tensor, k: Tensor, v: Tensor, args: tuple) -> Tensor:
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _apply_eager_attention(q, k, v, args)
+    return _run_forward(q, k, v, *args)[0]  # nothing to differentiate: no autograd node
 
 
 def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation_rates, *,
@@ -332,17 +528,9 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
                                          is_causal=is_causal, attn_mask=attn_mask,
                                          dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
                                          lowering=lowering, mesh=mesh)
-    key = _call_key(q, k, v, attn_mask, position_ids, cu_seqlens, seqused_k, segment_lengths,
-                    dilation_rates, hilbert, is_causal, enable_gqa, dropout_p, scale, lowering)
-    checked = _checked_calls.get(key) if key is not None else None
-    if checked is None:
-        checked = _check_call(q, k, v, attn_mask, position_ids, cu_seqlens, seqused_k,
-                              segment_lengths, dilation_rates, hilbert, is_causal, enable_gqa,
-                              dropout_p, scale, lowering)
-        if key is not None:
-            if len(_checked_calls) > 256:
-                _checked_calls.clear()
-            _checked_calls[key] = checked
+    checked = _checked_args(q, k, v, attn_mask, position_ids, cu_seqlens, seqused_k,
+                            segment_lengths, dilation_rates, hilbert, is_causal, enable_gqa,
+                            dropout_p, scale, lowering)
     segment_lengths, dilation_rates, hilbert, is_causal, scale, resolved = checked
     seed = new_seed(q.device) if dropout_p > 0.0 else None
     b, nk = q.shape[0], k.shape[2]
@@ -355,7 +543,10 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
             # (on a GPU this check would wait for it: there a query outside k's rows gets 0)
             raise ValueError(f"seqused_k must lie in [0, Nk] = [0, {nk}], got {seqused_k.tolist()}")
         seqused_k = seqused_k.to(device=q.device, dtype=torch.int64)
+    args = (segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, float(dropout_p),
+            seed, scale, resolved, position_ids, seqused_k)
+    if _eager(q, k, v, attn_mask, position_ids, seqused_k):
+        return _eager_call(q, k, v, args)
     op = op_for(q.shape[2], nk, position_ids is not None, seqused_k is not None)
-    out, _ = op(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
-                float(dropout_p), seed, scale, resolved, position_ids, seqused_k)
+    out, _ = op(q, k, v, *args)
     return out
