@@ -9,7 +9,9 @@ waiting in a collective; and every rank uses rank 0's seed.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import struct
 from typing import Optional
 
 import torch
@@ -64,7 +66,13 @@ def _exchange(group, value: bytes) -> list[bytes]:
 
 
 _MSG = 400
-_HEAD = 5  # int64s before the error's text: length, config hash (2), seed, error flag
+_FORMAT = "<5q"  # before the error's text: length, config hash (2), seed, error flag
+_HEAD = struct.calcsize(_FORMAT)
+
+
+@functools.lru_cache(maxsize=256)
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
 
 
 def agree(group, n_local: int, key: str, seed: int, error: Optional[str]) -> int:
@@ -73,33 +81,32 @@ def agree(group, n_local: int, key: str, seed: int, error: Optional[str]) -> int
     Returns rank 0's seed."""
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
-    digest = hashlib.sha256(key.encode()).digest()
-    head = torch.tensor([int(n_local), int.from_bytes(digest[:7], "little"),
-                         int.from_bytes(digest[7:14], "little"), int(seed),
-                         1 if error is not None else 0], dtype=torch.int64)
-    value = head.numpy().tobytes() + (error or "").encode()[:_MSG]
+    digest = _digest(key)
+    head = struct.pack(_FORMAT, int(n_local), int.from_bytes(digest[:7], "little"),
+                       int.from_bytes(digest[7:14], "little"), int(seed),
+                       1 if error is not None else 0)
+    value = head + (error or "").encode()[:_MSG]
     values = [value] if world == 1 else _exchange(group, value)
-    rows = torch.stack([torch.frombuffer(bytearray(v[:8 * _HEAD]), dtype=torch.int64)
-                        for v in values])
-    failed = [r for r in range(world) if int(rows[r, 4])]
+    rows = [struct.unpack(_FORMAT, v[:_HEAD]) for v in values]
+    failed = [r for r in range(world) if rows[r][4]]
     if failed:
         if error is not None:
             raise ValueError(error)
-        text = values[failed[0]][8 * _HEAD:].decode(errors="replace")
+        text = values[failed[0]][_HEAD:].decode(errors="replace")
         raise ValueError(f"rank {failed[0]} of the mesh rejected its arguments (ranks {failed} "
                          f"did): {text}")
-    lengths = rows[:, 0].tolist()
+    lengths = [row[0] for row in rows]
     if len(set(lengths)) > 1:
         raise ValueError(
             f"q, k, v: shards of unequal length across the mesh: ranks hold {lengths} positions; "
             f"every rank must hold N/P positions of the sequence (SPEC section 4)")
-    hashes = [tuple(x) for x in rows[:, 1:3].tolist()]
+    hashes = [row[1:3] for row in rows]
     if len(set(hashes)) > 1:
         differ = [r for r in range(world) if hashes[r] != hashes[0]]
         raise ValueError(
             f"configuration differs across the mesh's ranks: ranks {differ} differ from rank 0 "
             f"(rank {me} has {key})")
-    return int(rows[0, 3])
+    return rows[0][3]
 
 
 def _config_key(phase, q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask,
@@ -113,9 +120,30 @@ def _config_key(phase, q, k, v, segment_lengths, dilation_rates, hilbert, is_cau
             f"lowering={lowering} device={q.device.type}")
 
 
+_ACCEPTED: set = set()  # signatures of calls local_error found nothing wrong with
+
+
 def local_error(q, k, v, segment_lengths, dilation_rates, is_causal, attn_mask, dropout_p, scale,
                 lowering) -> Optional[str]:
-    """What this rank finds wrong with its own arguments (None when nothing), before agreeing."""
+    """What this rank finds wrong with its own arguments (None when nothing), before agreeing.
+    A signature (layouts of q, k, v and the other arguments) found right once is not checked
+    again: the checks cost more host time than a small kernel."""
+    signature = (*((t.shape, t.stride(), t.dtype, t.device) for t in (q, k, v)),
+                 tuple(segment_lengths), tuple(dilation_rates), bool(is_causal),
+                 attn_mask is None, float(dropout_p), float(scale), lowering)
+    if signature in _ACCEPTED:
+        return None
+    error = _local_error(q, k, v, segment_lengths, dilation_rates, is_causal, attn_mask,
+                         dropout_p, scale, lowering)
+    if error is None:
+        if len(_ACCEPTED) > 1024:
+            _ACCEPTED.clear()
+        _ACCEPTED.add(signature)
+    return error
+
+
+def _local_error(q, k, v, segment_lengths, dilation_rates, is_causal, attn_mask, dropout_p, scale,
+                 lowering) -> Optional[str]:
     if attn_mask is not None:
         return ("attn_mask is not supported with mesh= (a mask over the whole sequence cannot be "
                 "sharded along it); pass attn_mask=None, or use is_causal for causal masking")
