@@ -61,7 +61,7 @@ def roberta(impl="sdpa"):
 
 
 FAMILIES = {"llama": llama, "qwen2": qwen2, "llama-eager": lambda: llama("eager")}
-ENCODERS = {"bert": bert, "roberta": roberta, "bert-eager": lambda: bert("eager")}
+ENCODERS = {"bert": bert, "roberta": roberta}
 
 
 def model_of(family):

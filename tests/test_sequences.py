@@ -324,7 +324,7 @@ def test_padding_between_tokens_is_skipped(causal, hilbert):
 
 def test_padding_between_tokens_is_skipped_triton():
     require_triton()
-    holes_case(HOLES, causal=True, hilbert=True, lowering="triton", seed=24)
+    holes_case(HOLES[1:], causal=True, hilbert=True, lowering="triton", Hq=2, seed=24)
 
 
 @pytest.mark.parametrize("nq", [17])
