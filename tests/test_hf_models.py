@@ -47,7 +47,10 @@ def bert(impl):
     config = transformers.BertConfig(num_hidden_layers=LAYERS, hidden_size=32, num_attention_heads=4,
                                      intermediate_size=64, vocab_size=VOCAB,
                                      max_position_embeddings=64, attn_implementation=impl)
-    return transformers.BertModel(config, add_pooling_layer=False), expect(LAYERS)
+    # padding rows: the op gives them 0 (SPEC section 5: the padding mask is read as the row's
+    # sequence, position_ids -1 on padding)
+    return transformers.BertModel(config, add_pooling_layer=False), expect(
+        LAYERS, padded_rows_zeroed=True)
 
 
 def vit(impl):
