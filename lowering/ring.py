@@ -44,9 +44,9 @@ while the gradients travel back.
 
 Dropout: the keep bits are a hash of global positions (lowering/dropout.py), and rank 0's seed is
 used everywhere. A lowering whose forward and backward take `dropout_rows` (the global position
-of each row of the call) runs dropout in the ring; the SDPA lowering does. Until the Triton
-lowering does, lowering="triton" with dropout runs both calls on the SDPA lowering, as do dtypes
-and head dims the Triton lowering does not take (float64, D > 256).
+of each row of the call) runs dropout in the ring; the SDPA and the Triton lowerings both do.
+lowering="triton" runs both calls on the SDPA lowering only for dtypes and head dims the Triton
+lowering does not take (float64, D > 256).
 
 attn_mask is not supported with a mesh (ValueError naming attn_mask), nor are op.py's sequence
 arguments (position_ids, seqused_k; op.dilated_attention refuses them with mesh=). The lowering

@@ -11,7 +11,7 @@ The environment variables, all optional:
 - HILBERT_FX_TRITON_FWD, HILBERT_FX_TRITON_DKDV, HILBERT_FX_TRITON_DQ =
   "BLOCK_M,BLOCK_N,num_warps,num_stages": the tiles of that Triton kernel instead of
   `tile_config`'s tables (BLOCK_M and BLOCK_N powers of two from 16 to 256: the plans' positions
-  are padded for tiles up to 256, lowering/triton_lowering.POSITION_PAD).
+  are padded for tiles up to 256, lowering/triton_plans.POSITION_PAD).
 - HILBERT_FX_TRITON_FP32_PRECISION = ieee | tf32 | tf32x3: tl.dot's precision for float32
   inputs, instead of following torch.get_float32_matmul_precision().
 - HILBERT_FX_TRITON_ATOMIC_DQ=1: the Triton backward folds dQ into its dK/dV kernel with float32
@@ -23,7 +23,7 @@ The environment variables, all optional:
   of stride-r runs off (lowering/gluon_forward.py).
 - HILBERT_FX_FAST_LAUNCH=0: every launch goes through Triton's own launch path (binding and
   specialising its arguments, building the Hopper kernels' TMA descriptors) instead of reusing
-  what the first call of a configuration bound (lowering/triton_lowering.py, "Launches"); for
+  what the first call of a configuration bound (lowering/triton_launch.py); for
   comparing the two, and a way out should a Triton release change what that reuse relies on.
 
 The tile tables live here too, with why each entry is what it is.

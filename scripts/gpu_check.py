@@ -139,6 +139,7 @@ def main():
                  f"failed" + (": " + ", ".join("/".join(f) for f in failed) if failed else ""))
     text = "\n".join(lines)
     print("\n".join(lines[-2:]))
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_check.txt"), "w") as f:
         f.write(text + "\n")
     sys.exit(1 if failed else 0)

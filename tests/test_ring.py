@@ -71,7 +71,8 @@ TRITON_2 = [
                    causal=True, Hq=4, Hkv=2, B=2, lowering="triton", seed=12, front="public"),
     attention_case("p2_triton_tiles_causal", 2, 40, (12, 36, 80), (1, 2, 1), causal=True,
                    Hq=2, lowering="triton", seed=13),
-    # on the SDPA lowering (the Triton kernels take no global positions for dropout; float64)
+    # dropout on the Triton kernels (the keep bits of global positions: dropout_rows); float64
+    # on the SDPA lowering (the Triton kernels take no float64)
     attention_case("p2_triton_dropout", 2, 24, (8, 48), (1, 2), dropout_p=0.3,
                    dropout_seed=99, lowering="triton", seed=14),
     attention_case("p2_triton_float64", 2, 12, (8, 24), (1, 2), dtype="float64",
