@@ -3,21 +3,24 @@ SDPA lowering, in torch operations (differentiable, so the op's backward recompu
 
 A causal query at position p of a sequence starting at key row s lies, in branch (w, r), in
 segment j = p // w at in-segment position c = p % w, in offset class o (plans.class_of). Query
-head h takes part in the branch only when h % r == o; its keys are then the rows s + j*w + e for
-the members e of class o with e <= c. So each query reads at most w / r keys per branch, however
-long the cache is. Branches are merged by log-sum-exp as in lowering/sdpa_lowering.py.
+head h takes part in the branch only when h % r == o; its keys are then the sequence's tokens at
+positions j*w + e for the members e of class o with e <= c: the rows s + j*w + e when no padding
+lies between the sequence's tokens, in general the rows of those ranks among the batch row's real
+tokens (sequences.key_ranks), so padding inside the sequence is never a key. So each query
+reads at most w / r keys per branch, however long the cache is. Branches are merged by
+log-sum-exp as in lowering/sdpa_lowering.py.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .sequences import Cache, cached_query_positions, tables
+from .sequences import Cache, cached_query_positions, key_ranks, tables
 
 NEG_INF = float("-inf")
 
 
-def _keys(q, k, cache: Cache, positions: Tensor, w: int, r: int, hilbert: bool):
+def _keys(q, k, cache: Cache, positions: Tensor, ranks, w: int, r: int, hilbert: bool):
     """(key_rows [B, Nq, L], allowed [B, Hq, Nq, L]) of one branch: the key rows of each query's
     set (L = w // r) and which of them it attends to (causal; only heads of its class)."""
     hq, nk = q.shape[1], k.shape[2]
@@ -26,8 +29,13 @@ def _keys(q, k, cache: Cache, positions: Tensor, w: int, r: int, hilbert: bool):
     c = p % w
     cls = classes[0][c]  # [B, Nq]
     own = members[cls]  # [B, Nq, w // r]: in-segment positions of the query's class
-    start = cache.query_rows - p + (p // w) * w  # key row of the query's segment start
-    key_rows = (start.unsqueeze(-1) + own).clamp(0, nk - 1)
+    # the segment start's rank among the row's real tokens: padding between a sequence's
+    # tokens is skipped (SPEC section 5), so keys are found by rank, not at row - position
+    rank, row_of_rank = ranks
+    rows = cache.query_rows.clamp(0, nk - 1)
+    start = rank.gather(1, rows) - p + (p // w) * w
+    wanted = (start.unsqueeze(-1) + own).clamp(0, nk - 1)  # [B, Nq, L]: the keys' ranks
+    key_rows = row_of_rank.gather(1, wanted.flatten(1)).view_as(wanted)
     allowed = (own <= c.unsqueeze(-1)) & (positions >= 0).unsqueeze(-1)  # [B, Nq, L]
     heads = torch.arange(hq, device=q.device)
     takes_part = (heads.view(1, hq, 1) % r) == cls.unsqueeze(1)  # [B, Hq, Nq]
@@ -49,12 +57,12 @@ def _scores(q, kg, scale):
     return torch.einsum("bkgnd,bnlkd->bkgnl", qg, kg).reshape(b, hq, nq, -1).to(wide) * scale
 
 
-def _branch(q, k, v, cache: Cache, positions: Tensor, w: int, r: int, hilbert: bool,
+def _branch(q, k, v, cache: Cache, positions: Tensor, ranks, w: int, r: int, hilbert: bool,
             scale: float) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, Nq, Dv], lse [B, Hq, Nq]) of one branch in q's dtype / float32 or wider."""
     b, hq, nq, _ = q.shape
     hkv = k.shape[1]
-    key_rows, allowed = _keys(q, k, cache, positions, w, r, hilbert)
+    key_rows, allowed = _keys(q, k, cache, positions, ranks, w, r, hilbert)
     scores = _scores(q, _gather(k, key_rows), scale)
     has_key = allowed.any(-1)
     # rows with no key keep finite scores (0) until their lse is set to -inf
@@ -75,8 +83,9 @@ def decode_forward(q: Tensor, k: Tensor, v: Tensor, key_positions: Tensor, query
     query_rows [B, Nq]: the key row each query stands at (lowering/sequences.Cache)."""
     cache = Cache(key_positions, query_rows)
     positions = cached_query_positions(cache)
+    ranks = key_ranks(key_positions)
     wide = torch.promote_types(q.dtype, torch.float32)
-    outs, lses = zip(*(_branch(q, k, v, cache, positions, w, r, hilbert, scale)
+    outs, lses = zip(*(_branch(q, k, v, cache, positions, ranks, w, r, hilbert, scale)
                        for w, r in zip(segment_lengths, dilation_rates)))
     lse_all = torch.stack(lses)  # [branches, B, Hq, Nq]
     top = lse_all.max(0).values
@@ -98,6 +107,7 @@ def decode_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     is FlashAttention's backward with P = exp(S - lse) and Delta = rowsum(dO * O)."""
     cache = Cache(key_positions, query_rows)
     positions = cached_query_positions(cache)
+    ranks = key_ranks(key_positions)
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -110,7 +120,7 @@ def decode_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     dv = torch.zeros(b, nk, hkv, v.shape[-1], dtype=wide, device=q.device)
     batch = torch.arange(b, device=q.device).view(b, 1, 1)
     for w, r in zip(segment_lengths, dilation_rates):
-        key_rows, allowed = _keys(q, k, cache, positions, w, r, hilbert)
+        key_rows, allowed = _keys(q, k, cache, positions, ranks, w, r, hilbert)
         kg, vg = _gather(k, key_rows).to(wide), _gather(v, key_rows).to(wide)  # [B, Nq, L, Hkv, *]
         probs = torch.exp(_scores(q.to(wide), kg, scale) - lse_safe).masked_fill(~allowed, 0.0)
         probs = probs.view(b, hkv, group, nq, -1)

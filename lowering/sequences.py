@@ -167,6 +167,23 @@ def cached_query_positions(cache: Cache) -> Tensor:
     return torch.where(inside, pos, -1)
 
 
+def key_ranks(key_positions: Tensor, dtype=torch.int64) -> tuple[Tensor, Tensor]:
+    """(rank [B, Nk], row_of_rank [B, Nk]) of a cache's key rows: rank[b, i] is the index of row
+    i among the real (non-negative position) rows of batch row b, counted from 0 (a padding row
+    gets the rank of the real row before it, or -1); row_of_rank[b, t] is the key row of the
+    real token of rank t (0 past the last one). A sequence's tokens are consecutive in rank with
+    padding between them skipped (SPEC section 5), so its token at position P, seen from a query
+    at key row qr and position p, is row_of_rank[b, rank[b, qr] - p + P]. O(Nk), no host sync."""
+    b, nk = key_positions.shape
+    real = key_positions >= 0
+    rank = real.to(dtype).cumsum(-1, dtype=dtype) - 1
+    rows = torch.arange(nk, device=key_positions.device, dtype=dtype).expand(b, nk)
+    spare = torch.full_like(rank, nk)  # padding writes into a spare column, dropped below
+    row_of_rank = torch.zeros(b, nk + 1, dtype=dtype, device=key_positions.device)
+    row_of_rank.scatter_(1, torch.where(real, rank, spare), rows)
+    return rank, row_of_rank[:, :nk].contiguous()
+
+
 @functools.lru_cache(maxsize=256)
 def _tables(w: int, r: int, hilbert: bool, device: str) -> tuple[Tensor, Tensor]:
     return class_members(w, r, hilbert).to(device), class_of(w, r, hilbert).to(device)

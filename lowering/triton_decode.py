@@ -1,11 +1,13 @@
 """A fused Triton decode kernel: queries that continue a cached causal sequence (SPEC section 5).
 
-FlashDecoding over dilated attention. A query at key row `row`, position p in its sequence
-(which starts at key row s = row - p), lies in branch (w, r) in segment j = p // w at
-in-segment position c = p % w, in offset class o = rank(c) % r (rank: the inverse of the order
-pi_w, the identity or the Hilbert order). Query head h takes part in the branch only when
-h % r == o; its keys are then the rows s + j*w + e for the members e of class o with e <= c.
-The members of a class are kept in ascending order, so the causal keys are a prefix of them:
+FlashDecoding over dilated attention. A query at key row `row`, position p in its sequence,
+lies in branch (w, r) in segment j = p // w at in-segment position c = p % w, in offset class
+o = rank(c) % r (rank: the inverse of the order pi_w, the identity or the Hilbert order). Query
+head h takes part in the branch only when h % r == o; its keys are then the sequence's tokens at
+positions j*w + e for the members e of class o with e <= c. Padding may lie between a
+sequence's tokens (SPEC section 5), so a key is found by its rank among the batch row's real
+tokens: row_of_rank[R - p + j*w + e], R the query row's rank (sequences.key_ranks, built per
+call in O(Nk) on the device; without such padding it is the row row - p + j*w + e). The members of a class are kept in ascending order, so the causal keys are a prefix of them:
 the first slot_of[c] + 1 (slot_of[c] is c's own index among its class's members). A query thus
 reads at most w / r key rows per branch, however long the cache is.
 
@@ -33,6 +35,7 @@ import torch
 from torch import Tensor
 
 from . import plans
+from .sequences import key_ranks
 from .triton_lowering import LOG2E, MAX_HEAD_DIM, NEG_INF, SUPPORTED_DTYPES, interpreter_active
 from .tuning import fp32_precision
 
@@ -46,11 +49,12 @@ META_COLS = 8  # w, r, members offset, set size, table offset, first member of t
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, V, KPos, QRows, Members, ClassOf, SlotOf, Meta, OPart, LPart,
+def _decode_split_kernel(Q, K, V, KPos, QRows, Rank, RowOfRank, Members, ClassOf, SlotOf, Meta,
+                         OPart, LPart,
                          stride_qb, stride_qh, stride_qn, stride_qd,
                          stride_kb, stride_kh, stride_kn, stride_kd,
                          stride_vb, stride_vh, stride_vn, stride_vd,
-                         stride_pb, stride_pn, stride_rb, stride_rn,
+                         stride_pb, stride_pn, stride_rb, stride_rn, stride_tb,
                          HQ, HKV, NQ, NK, GROUP, NUM_SPLITS, SPLIT_N, qk_scale,
                          HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -85,7 +89,10 @@ def _decode_split_kernel(Q, K, V, KPos, QRows, Members, ClassOf, SlotOf, Meta, O
     pos = tl.load(KPos + b64 * stride_pb + row * stride_pn)
     valid = row_ok & (pos >= 0)
     pos = tl.where(valid, pos, 0)
-    seg_row = row - pos + (pos // w) * w  # key row of in-segment position 0 of the query's segment
+    # rank (among the batch row's real tokens) of in-segment position 0 of the query's segment:
+    # the keys are found by rank, so padding between a sequence's tokens is never read
+    rank_base = RowOfRank + b64 * stride_tb
+    seg_rank = tl.load(Rank + b64 * stride_tb + row) - pos + (pos // w) * w
     c = pos % w
     cls = tl.load(ClassOf + tab_off + c)
     count = tl.load(SlotOf + tab_off + c) + 1  # members e <= c: a prefix of the ascending class
@@ -115,8 +122,9 @@ def _decode_split_kernel(Q, K, V, KPos, QRows, Members, ClassOf, SlotOf, Meta, O
         offs_n = start + tl.arange(0, BLOCK_N)
         key_ok = offs_n < hi
         e = tl.load(set_base + offs_n, mask=key_ok, other=0)
-        krow = seg_row + e
-        key_ok = key_ok & (krow >= 0) & (krow < NK)  # rows outside the cache: never read
+        krank = seg_rank + e
+        key_ok = key_ok & (krank >= 0) & (krank < NK)  # ranks outside the cache: never read
+        krow = tl.load(rank_base + krank, mask=key_ok, other=0).to(tl.int64)
         k = tl.load(K_base + krow[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                     mask=key_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
         v = tl.load(V_base + krow[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
@@ -308,6 +316,7 @@ def decode_forward(q: Tensor, k: Tensor, v: Tensor, key_positions: Tensor, query
                 torch.full((b, hq, nq), NEG_INF, dtype=torch.float32, device=q.device))
     key_positions = key_positions.to(torch.int64)
     query_rows = query_rows.to(torch.int64)
+    rank, row_of_rank = key_ranks(key_positions, torch.int32)  # contiguous [B, Nk]
 
     group = hq // hkv
     upcast = interpreted and q.dtype == torch.bfloat16
@@ -339,8 +348,10 @@ def decode_forward(q: Tensor, k: Tensor, v: Tensor, key_positions: Tensor, query
     out = torch.empty(b, hq, nq, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(programs, num_splits)](
-        q, k, v, key_positions, query_rows, members, class_of, slot_of, meta, opart, lpart,
+        q, k, v, key_positions, query_rows, rank, row_of_rank, members, class_of, slot_of, meta,
+        opart, lpart,
         *q.stride(), *k.stride(), *v.stride(), *key_positions.stride(), *query_rows.stride(),
+        rank.stride(0),
         hq, hkv, nq, nk, group, num_splits, split_n, scale * LOG2E,
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_H=block_h,
         BLOCK_N=block_n, UPCAST=upcast,

@@ -352,9 +352,6 @@ def test_long_chunk_with_padding_between_cached_tokens(nq):
         assert torch.equal(out[b][:, ~asked], torch.zeros_like(out[b][:, ~asked]))
 
 
-@pytest.mark.xfail(strict=True, reason="the decode path (lowering/decode.py, triton_decode.py) "
-                   "finds a query's keys at its row minus its position: padding between the "
-                   "cached tokens of its segment is read as keys")
 def test_decode_with_padding_between_cached_tokens():
     """One query against a cache whose last segment holds a padding row: the query's keys are
     the real rows alone."""
