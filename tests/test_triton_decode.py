@@ -42,10 +42,17 @@ def allowed_keys(key_positions, query_rows, hq, w, r, hilbert):
             if row < 0 or row >= nk or int(key_positions[bi, row]) < 0:
                 continue
             p = int(key_positions[bi, row])
-            start = row - p
+            # the rows of the query's sequence by position, padding between them skipped
+            row_of = {}
+            at = row
+            while len(row_of) <= p:
+                assert at >= 0, "a query's sequence must start (position 0) in its row"
+                if int(key_positions[bi, at]) >= 0:
+                    row_of[int(key_positions[bi, at])] = at
+                at -= 1
             j, c = divmod(p, w)
             o = rank[c] % r
-            keys = [start + j * w + e for e in range(c + 1) if rank[e] % r == o]
+            keys = [row_of[j * w + e] for e in range(c + 1) if rank[e] % r == o]
             for h in range(hq):
                 if h % r == o:
                     allowed[bi, h, i, keys] = True
@@ -180,6 +187,36 @@ def test_packed_and_invalid_queries():
     for bi, i in ((0, 2), (1, 0), (1, 1)):
         assert (out[bi, :, i] == 0).all() and (lse[bi, :, i] == NEG_INF).all()
     assert (lse[0, :, :2] > NEG_INF).any(-1).all() and (lse[1, :, 2] > NEG_INF).any()
+
+
+@pytest.mark.parametrize("nq", [1, 2, 7, 16])
+@pytest.mark.parametrize("hilbert", [False, True])
+def test_padding_between_cached_tokens(nq, hilbert):
+    """Padding (-1) between the cached tokens of a sequence (a padding mask with holes): the
+    keys are the sequence's real tokens alone, padding rows hold NaN and are never read. Row 0
+    packs two sequences with holes (the second continues past a hole into the cache's tail),
+    row 1 one sequence with holes inside its segments and a static cache's junk tail (rows past
+    19); queries of a chunk may stand on padding (out 0, lse -inf). GQA group of 2; branches
+    (3, 1), (6, 2), (12, 4): holes fall inside segments and between dilated members."""
+    kp = torch.tensor([
+        [0, -1, 1, 2, -1, -1, 3, 4, 5, 0, 1, -1, 2, 3, -1, 4, 5, -1, 6, 7, 8, 9],
+        [-1, 0, 1, -1, 2, 3, 4, 5, 6, 7, 8, -1, 9, 10, 11, -1, 12, 13, 14, -1, -1, -1],
+    ])
+    nk = kp.shape[1]
+    used = 19  # row 1's cache length
+    qr = torch.stack([torch.arange(nk - nq, nk), torch.arange(used - nq, used)])
+    q, k, v = make(2, 4, 2, nq, nk, 16, 8, seed=7)
+    k = k.masked_fill((kp < 0).view(2, 1, nk, 1), float("nan"))
+    v = v.masked_fill((kp < 0).view(2, 1, nk, 1), float("nan"))
+    out, lse = decode_forward(q, k, v, kp, qr, (3, 6, 12), (1, 2, 4), hilbert, None)
+    assert torch.isfinite(out).all()
+    ref_out, ref_lse = reference_decode(q, k.nan_to_num(0.0), v.nan_to_num(0.0), kp, qr,
+                                        (3, 6, 12), (1, 2, 4), hilbert)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    on_padding = kp.gather(1, qr) < 0
+    assert (lse.transpose(1, 2)[on_padding] == NEG_INF).all()
+    assert (lse.transpose(1, 2)[~on_padding] > NEG_INF).any(-1).all()
 
 
 def test_reads_only_selected_rows():
