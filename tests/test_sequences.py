@@ -367,6 +367,82 @@ def test_decode_with_padding_between_cached_tokens():
     assert_matches(out, ref, "decode", torch.float64)
 
 
+# A cache with padding between a sequence's tokens: row 0 packs two sequences with holes, the
+# second going on past a hole into the tail; row 1 one sequence with holes inside its segments,
+# then a static cache's unused tail (seqused_k 19 of 22; its position_ids go on counting there).
+HOLES_CACHE = torch.tensor([
+    [0, -1, 1, 2, -1, -1, 3, 4, 5, 0, 1, -1, 2, 3, -1, 4, 5, -1, 6, 7, 8, 9],
+    [-1, 0, 1, -1, 2, 3, 4, 5, 6, 7, 8, -1, 9, 10, 11, -1, 12, 13, 14, 15, 16, 17],
+])
+HOLES_USED = torch.tensor([22, 19])
+
+
+def decode_holes_case(nq, *, hilbert, gqa, lowering="sdpa", dtype=torch.float64, seed=0):
+    """nq queries (each row's last nq used key rows) against HOLES_CACHE: forward and the
+    gradients of sum(out * g), against the float64 reference on each row's real used tokens
+    (padding and the unused tail removed); queries standing on padding get 0."""
+    pos, used = HOLES_CACHE, HOLES_USED
+    B, nk = pos.shape
+    Hkv = 2
+    Hq = 2 * Hkv if gqa else Hkv
+    torch.manual_seed(seed)
+    q = torch.randn(B, Hq, nq, 4, dtype=torch.float64)
+    k, v = (torch.randn(B, Hkv, nk, 4, dtype=torch.float64) for _ in range(2))
+    real = (pos >= 0) & (torch.arange(nk) < used.view(B, 1))
+    qrows = used.view(B, 1) - nq + torch.arange(nq)
+    asked = real.gather(1, qrows)
+    k.transpose(1, 2)[~real] *= JUNK
+    v.transpose(1, 2)[~real] *= JUNK
+    q.transpose(1, 2)[~asked] *= JUNK
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    kw = dict(hilbert=hilbert, is_causal=True, enable_gqa=gqa)
+    out = hilbert_fx.dilated_attention(q, k, v, *BR_B, position_ids=pos, seqused_k=used,
+                                       lowering=lowering, **kw)
+    g = torch.randn(out.shape, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), g.to(dtype))
+    what = f"{lowering} {dtype} nq={nq} hilbert={hilbert} gqa={gqa}"
+    for b in range(B):
+        n = int(real[b].sum())
+        at = (real[b].cumsum(0) - 1)[qrows[b][asked[b]]]  # the queries among the real tokens
+        qd = torch.zeros(1, Hq, n, 4, dtype=torch.float64)
+        qd[0, :, at] = q[b, :, asked[b]].detach().double()
+        kd, vd = (t.detach()[b:b + 1, :, real[b]].double() for t in (k, v))
+        qd, kd, vd = (t.requires_grad_() for t in (qd, kd, vd))
+        ref = reference_sequences(qd, kd, vd, *BR_B, position_ids=pos[b, real[b]], **kw)
+        gd = torch.zeros_like(ref)
+        gd[0, :, at] = g[b, :, asked[b]]
+        exp = torch.autograd.grad(ref, (qd, kd, vd), gd)
+        assert_matches(out[b:b + 1, :, asked[b]], ref[:, :, at], f"out row {b} {what}", dtype)
+        assert torch.equal(out[b, :, ~asked[b]], torch.zeros_like(out[b, :, ~asked[b]])), what
+        sc = max(1.0, *(t.abs().max().item() for t in (ref, *exp)))
+        (dq, dk, dv), (eq, ek, ev) = grads, exp
+        assert_matches(dq[b:b + 1, :, asked[b]], eq[:, :, at], f"dq row {b} {what}", dtype,
+                       scale=sc)
+        assert torch.equal(dq[b, :, ~asked[b]], torch.zeros_like(dq[b, :, ~asked[b]])), what
+        for name, a, e in (("dk", dk, ek), ("dv", dv, ev)):
+            assert_matches(a[b:b + 1, :, real[b]], e, f"{name} row {b} {what}", dtype, scale=sc)
+            assert torch.equal(a[b, :, ~real[b]], torch.zeros_like(a[b, :, ~real[b]])), what
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("hilbert", [False, True])
+@pytest.mark.parametrize("nq", [1, 2, 7, 16])
+def test_decode_with_holes_per_row_cache_lengths(nq, hilbert, gqa, dtype):
+    """The decode path (lowering/decode.py) with padding between the cached tokens of a
+    sequence, per-row cache lengths, chunks up to DECODE_MAX_QUERIES: forward and backward."""
+    decode_holes_case(nq, hilbert=hilbert, gqa=gqa, dtype=dtype, seed=50 + nq)
+
+
+@pytest.mark.parametrize("hilbert", [False, True])
+@pytest.mark.parametrize("nq", [1, 16])
+def test_decode_with_holes_triton(nq, hilbert):
+    """The same through the Triton lowering: its decode kernel forward, decode.py's backward."""
+    require_triton()
+    decode_holes_case(nq, hilbert=hilbert, gqa=True, lowering="triton", dtype=torch.float32,
+                      seed=60 + nq)
+
+
 # ----------------------------------------------------------------------------- a KV cache
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
