@@ -15,7 +15,8 @@ dispatch) with the lowering's forward and backward replaced by stand-ins that re
 made once: per N, the median of --layer-calls calls each timed alone, forward (no grad) and
 forward+backward (torch.autograd.grad, so that no .grad is accumulated), on the eager path
 (what an eager call runs) and on the custom op's path (torch.ops.hilbert_fx.dilated_attention
-with its registered autograd: what a traced graph runs), the two taken in turn 3 times.
+with its registered autograd: what a traced graph runs), beside an autograd.Function that only
+returns the stand-ins (what autograd's engine costs any op on this host), taken in turn 3 times.
 """
 from __future__ import annotations
 
@@ -91,6 +92,20 @@ def _per_call_us(fn, calls: int, device: torch.device) -> float:
     return statistics.median(times) * 1e6
 
 
+def _floor_function(out, grads):
+    """An autograd.Function that only returns the stand-ins: what autograd alone costs a call
+    on this host (the floor of the eager path)."""
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            return grads
+    return Floor
+
+
 def op_layer_rows(args, device) -> list[str]:
     from .lowering import op as op_module
     from .lowering.arguments import resolve_lowering
@@ -113,25 +128,30 @@ def op_layer_rows(args, device) -> list[str]:
                 return dilated_attention(q, k, v, args.segment_lengths, args.dilation_rates,
                                          hilbert=True, is_causal=True)
 
-            def forward():
-                with torch.no_grad():
-                    call()
-
-            def both():
-                torch.autograd.grad(call(), (q, k, v), grad)
-
-            paths = {"eager": contextlib.nullcontext, "custom op": op_module.custom_op_path}
-            times = {(path, fn): [] for path in paths for fn in (forward, both)}
+            floor = _floor_function(torch.empty_like(out), (dq, dk, dv))
+            paths = {"eager": (call, contextlib.nullcontext),
+                     "custom op": (call, op_module.custom_op_path),
+                     "autograd.Function floor": (lambda: floor.apply(q, k, v),
+                                                 contextlib.nullcontext)}
+            times = {(path, kind): [] for path in paths for kind in ("forward", "both")}
             for _ in range(3):
-                for path, context in paths.items():
+                for path, (fn, context) in paths.items():
+                    def forward(fn=fn):
+                        with torch.no_grad():
+                            fn()
+
+                    def both(fn=fn):
+                        torch.autograd.grad(fn(), (q, k, v), grad)
+
                     with context():
-                        for fn in (forward, both):
+                        for kind, timed in (("forward", forward), ("both", both)):
                             for _ in range(10):  # warm: checks made, plans built
-                                fn()
-                            times[path, fn].append(_per_call_us(fn, args.layer_calls, device))
+                                timed()
+                            times[path, kind].append(_per_call_us(timed, args.layer_calls,
+                                                                  device))
             for path in paths:
-                lines.append(f"| {n} | {path} | {statistics.median(times[path, forward]):.1f} | "
-                             f"{statistics.median(times[path, both]):.1f} |")
+                lines.append(f"| {n} | {path} | {statistics.median(times[path, 'forward']):.1f} "
+                             f"| {statistics.median(times[path, 'both']):.1f} |")
     finally:
         lower.forward, lower.backward = real
     return lines

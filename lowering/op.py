@@ -33,11 +33,16 @@ from .dropout import new_seed
 from .plans import branch_plans
 
 
+_lowerings = {"sdpa": sdpa_lowering}  # the Triton lowering joins on first use (it imports triton)
+
+
 def _lowering_module(lowering: str):
-    if lowering == "sdpa":
-        return sdpa_lowering
+    module = _lowerings.get(lowering)
+    if module is not None:  # (an import statement per call costs a microsecond)
+        return module
     if lowering == "triton":
         from . import triton_lowering
+        _lowerings["triton"] = triton_lowering
         return triton_lowering
     raise ValueError(f"lowering must be 'sdpa' or 'triton' once resolved, got {lowering!r}")
 
