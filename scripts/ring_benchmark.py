@@ -577,13 +577,17 @@ def _entry(args):
         dist.destroy_process_group()
 
 
+def spawn_ranks(run, nproc: int, *args) -> None:
+    """run(rank, nproc, port, *args) in nproc processes, port a free one for their rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(run, args=(nproc, port, *args), nprocs=nproc)
+
+
 if __name__ == "__main__":
     args = parse_args()
     if args.nproc and "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        torch.multiprocessing.spawn(_init_and_run, args=(args.nproc, port, sys.argv[1:]),
-                                    nprocs=args.nproc)
+        spawn_ranks(_init_and_run, args.nproc, sys.argv[1:])
     else:
         _entry(args)

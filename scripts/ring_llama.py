@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -154,7 +153,5 @@ def run(rank, world, port, args):
 
 if __name__ == "__main__":
     a = parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free_port = s.getsockname()[1]
-    torch.multiprocessing.spawn(run, args=(a.nproc, free_port, a), nprocs=a.nproc)
+    from ring_benchmark import spawn_ranks
+    spawn_ranks(run, a.nproc, a)
