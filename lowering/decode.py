@@ -29,13 +29,17 @@ def _keys(q, k, cache: Cache, positions: Tensor, ranks, w: int, r: int, hilbert:
     c = p % w
     cls = classes[0][c]  # [B, Nq]
     own = members[cls]  # [B, Nq, w // r]: in-segment positions of the query's class
-    # the segment start's rank among the row's real tokens: padding between a sequence's
-    # tokens is skipped (SPEC section 5), so keys are found by rank, not at row - position
-    rank, row_of_rank = ranks
-    rows = cache.query_rows.clamp(0, nk - 1)
-    start = rank.gather(1, rows) - p + (p // w) * w
-    wanted = (start.unsqueeze(-1) + own).clamp(0, nk - 1)  # [B, Nq, L]: the keys' ranks
-    key_rows = row_of_rank.gather(1, wanted.flatten(1)).view_as(wanted)
+    if ranks is None:  # no padding between a sequence's tokens: the keys are rows
+        start = cache.query_rows - p + (p // w) * w  # key row of the query's segment start
+        key_rows = (start.unsqueeze(-1) + own).clamp(0, nk - 1)
+    else:
+        # the segment start's rank among the row's real tokens: padding between a sequence's
+        # tokens is skipped (SPEC section 5), so keys are found by rank, not at row - position
+        rank, row_of_rank = ranks
+        rows = cache.query_rows.clamp(0, nk - 1)
+        start = rank.gather(1, rows) - p + (p // w) * w
+        wanted = (start.unsqueeze(-1) + own).clamp(0, nk - 1)  # [B, Nq, L]: the keys' ranks
+        key_rows = row_of_rank.gather(1, wanted.flatten(1)).view_as(wanted)
     allowed = (own <= c.unsqueeze(-1)) & (positions >= 0).unsqueeze(-1)  # [B, Nq, L]
     heads = torch.arange(hq, device=q.device)
     takes_part = (heads.view(1, hq, 1) % r) == cls.unsqueeze(1)  # [B, Hq, Nq]
@@ -77,13 +81,15 @@ def _branch(q, k, v, cache: Cache, positions: Tensor, ranks, w: int, r: int, hil
 
 def decode_forward(q: Tensor, k: Tensor, v: Tensor, key_positions: Tensor, query_rows: Tensor,
                    segment_lengths, dilation_rates, hilbert: bool,
-                   scale: float) -> tuple[Tensor, Tensor]:
+                   scale: float, *, gapless: bool = False) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, Nq, Dv] in q.dtype, lse [B, Hq, Nq]); rows with no key: out 0, lse -inf.
     key_positions [B, Nk]: each key row's position in its sequence (negative: not a key);
-    query_rows [B, Nq]: the key row each query stands at (lowering/sequences.Cache)."""
+    query_rows [B, Nq]: the key row each query stands at (lowering/sequences.Cache).
+    gapless: no padding lies between a sequence's tokens (Cache.gapless), so a key's row is its
+    rank and the O(Nk) rank tables are not built."""
     cache = Cache(key_positions, query_rows)
     positions = cached_query_positions(cache)
-    ranks = key_ranks(key_positions)
+    ranks = None if gapless else key_ranks(key_positions)
     wide = torch.promote_types(q.dtype, torch.float32)
     outs, lses = zip(*(_branch(q, k, v, cache, positions, ranks, w, r, hilbert, scale)
                        for w, r in zip(segment_lengths, dilation_rates)))
@@ -101,13 +107,14 @@ def decode_forward(q: Tensor, k: Tensor, v: Tensor, key_positions: Tensor, query
 
 def decode_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     key_positions: Tensor, query_rows: Tensor, segment_lengths, dilation_rates,
-                    hilbert: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                    hilbert: bool, scale: float, *,
+                    gapless: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) given the final out and lse: the merged output is one softmax over every
     (branch, key) pair a query attends to, normalised by the final lse, so each branch's share
     is FlashAttention's backward with P = exp(S - lse) and Delta = rowsum(dO * O)."""
     cache = Cache(key_positions, query_rows)
     positions = cached_query_positions(cache)
-    ranks = key_ranks(key_positions)
+    ranks = None if gapless else key_ranks(key_positions)
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     group = hq // hkv

@@ -128,7 +128,7 @@ def _forward(q, k, v, layout, segment_lengths, dilation_rates, hilbert, is_causa
     if kind == "decode":
         return _decode_module(lowering).decode_forward(
             q, k, v, cache.key_positions, cache.query_rows, segment_lengths, dilation_rates,
-            hilbert, scale)
+            hilbert, scale, gapless=cache.gapless)
     b = q.shape[0]
     if kind == "chunk":  # many queries: place them at their rows, run the sets of every row
         q = _at_rows(q, cache.query_rows, k.shape[2])
@@ -212,7 +212,7 @@ def _backward_in(dout, q, k, v, out, lse, layout, segment_lengths, dilation_rate
         # few queries (a decoding step) have no backward kernel: decode.py's torch operations
         return decode.decode_backward(dout, q, k, v, out, lse, cache.key_positions,
                                       cache.query_rows, segment_lengths, dilation_rates, hilbert,
-                                      scale)
+                                      scale, gapless=cache.gapless)
     b, nk = q.shape[0], k.shape[2]
     if kind == "chunk":  # the gradients of the rows that hold no query are 0 (dout 0 there)
         rows_q = cache.query_rows

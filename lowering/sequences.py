@@ -139,6 +139,9 @@ class Cache:
     past seqused_k), query_rows [B, Nq] (the key row each query stands at)."""
     key_positions: Tensor
     query_rows: Tensor
+    # no padding between a sequence's tokens (no position_ids given: keys are rows 0, 1, ...):
+    # the decode path then finds keys by row arithmetic, without O(Nk) rank tables
+    gapless: bool = False
 
 
 def cache_of(nq: int, nk: int, batch: int, position_ids: Optional[Tensor],
@@ -155,7 +158,7 @@ def cache_of(nq: int, nk: int, batch: int, position_ids: Optional[Tensor],
         used = seqused_k.to(device=device, dtype=torch.int64)
         key_positions = torch.where(rows < used.view(batch, 1), key_positions, -1)
     query_rows = used.view(batch, 1) - nq + torch.arange(nq, device=device)
-    return Cache(key_positions.contiguous(), query_rows)
+    return Cache(key_positions.contiguous(), query_rows, gapless=position_ids is None)
 
 
 def cached_query_positions(cache: Cache) -> Tensor:

@@ -7,7 +7,8 @@ head h takes part in the branch only when h % r == o; its keys are then the sequ
 positions j*w + e for the members e of class o with e <= c. Padding may lie between a
 sequence's tokens (SPEC section 5), so a key is found by its rank among the batch row's real
 tokens: row_of_rank[R - p + j*w + e], R the query row's rank (sequences.key_ranks, built per
-call in O(Nk) on the device; without such padding it is the row row - p + j*w + e). The members of a class are kept in ascending order, so the causal keys are a prefix of them:
+call in O(Nk) on the device where position_ids were given; without them, or without such
+padding, it is the row row - p + j*w + e, read with no table). The members of a class are kept in ascending order, so the causal keys are a prefix of them:
 the first slot_of[c] + 1 (slot_of[c] is c's own index among its class's members). A query thus
 reads at most w / r key rows per branch, however long the cache is.
 
@@ -59,7 +60,7 @@ def _decode_split_kernel(Q, K, V, KPos, QRows, Rank, RowOfRank, Members, ClassOf
                          HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                         UPCAST: tl.constexpr, PRECISION: tl.constexpr, HOLES: tl.constexpr):
     """One split of one branch for the query heads of one kv head at one query.
 
     OPart [B, HQ, NQ, NUM_SPLITS, HEAD_DIM_V] float32 gets the split's normalised output,
@@ -91,8 +92,12 @@ def _decode_split_kernel(Q, K, V, KPos, QRows, Rank, RowOfRank, Members, ClassOf
     pos = tl.where(valid, pos, 0)
     # rank (among the batch row's real tokens) of in-segment position 0 of the query's segment:
     # the keys are found by rank, so padding between a sequence's tokens is never read
+    # (without HOLES no padding lies between a sequence's tokens: ranks are rows)
     rank_base = RowOfRank + b64 * stride_tb
-    seg_rank = tl.load(Rank + b64 * stride_tb + row) - pos + (pos // w) * w
+    if HOLES:
+        seg_rank = tl.load(Rank + b64 * stride_tb + row) - pos + (pos // w) * w
+    else:
+        seg_rank = row - pos + (pos // w) * w
     c = pos % w
     cls = tl.load(ClassOf + tab_off + c)
     count = tl.load(SlotOf + tab_off + c) + 1  # members e <= c: a prefix of the ascending class
@@ -124,7 +129,10 @@ def _decode_split_kernel(Q, K, V, KPos, QRows, Rank, RowOfRank, Members, ClassOf
         e = tl.load(set_base + offs_n, mask=key_ok, other=0)
         krank = seg_rank + e
         key_ok = key_ok & (krank >= 0) & (krank < NK)  # ranks outside the cache: never read
-        krow = tl.load(rank_base + krank, mask=key_ok, other=0).to(tl.int64)
+        if HOLES:
+            krow = tl.load(rank_base + krank, mask=key_ok, other=0).to(tl.int64)
+        else:
+            krow = krank.to(tl.int64)
         k = tl.load(K_base + krow[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                     mask=key_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
         v = tl.load(V_base + krow[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
@@ -260,14 +268,17 @@ def _split_size(total_keys: int, largest_set: int, programs: int, block_n: int,
 
 def decode_forward(q: Tensor, k: Tensor, v: Tensor, key_positions: Tensor, query_rows: Tensor,
                    segment_lengths, dilation_rates, hilbert: bool, scale: float | None,
-                   *, split_size: int | None = None) -> tuple[Tensor, Tensor]:
+                   *, split_size: int | None = None,
+                   gapless: bool = False) -> tuple[Tensor, Tensor]:
     """Dilated attention of queries that continue cached causal sequences, in two launches.
 
     q [B, Hq, Nq, D]; k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] (Hq a multiple of Hkv: query head h
     reads kv head h // (Hq // Hkv)); key_positions int [B, Nk]: each key row's position in its
     sequence, negative for padding; query_rows int [B, Nq]: the key row each query stands at.
     A query at a negative row, past Nk or at a padding row gets out 0 and lse -inf, as does a
-    (query, head) that takes part in no branch. scale None means 1 / sqrt(D). split_size: keys
+    (query, head) that takes part in no branch. gapless: no padding lies between a sequence's
+    tokens (lowering/sequences.Cache.gapless), so keys are found by row arithmetic and the O(Nk)
+    rank tables are not built. scale None means 1 / sqrt(D). split_size: keys
     per split (a multiple of the kernel's tile), for tests; None chooses.
 
     Returns (out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] float32, natural log). Forward
@@ -316,7 +327,10 @@ def decode_forward(q: Tensor, k: Tensor, v: Tensor, key_positions: Tensor, query
                 torch.full((b, hq, nq), NEG_INF, dtype=torch.float32, device=q.device))
     key_positions = key_positions.to(torch.int64)
     query_rows = query_rows.to(torch.int64)
-    rank, row_of_rank = key_ranks(key_positions, torch.int32)  # contiguous [B, Nk]
+    if gapless:  # keys are rows: no rank tables (the kernel does not read them)
+        rank = row_of_rank = key_positions
+    else:
+        rank, row_of_rank = key_ranks(key_positions, torch.int32)  # contiguous [B, Nk]
 
     group = hq // hkv
     upcast = interpreted and q.dtype == torch.bfloat16
@@ -354,7 +368,7 @@ def decode_forward(q: Tensor, k: Tensor, v: Tensor, key_positions: Tensor, query
         rank.stride(0),
         hq, hkv, nq, nk, group, num_splits, split_n, scale * LOG2E,
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_H=block_h,
-        BLOCK_N=block_n, UPCAST=upcast,
+        BLOCK_N=block_n, UPCAST=upcast, HOLES=not gapless,
         PRECISION=fp32_precision(q.dtype, interpreted, upcast),
         num_warps=num_warps, num_stages=num_stages)
     block_s = min(_next_pow2(num_splits), max(1, 4096 // block_dv))

@@ -159,6 +159,23 @@ def test_head_in_no_branch(nq, hilbert):
 
 
 @pytest.mark.parametrize("nq", [1, 3])
+@pytest.mark.parametrize("hilbert", [False, True])
+def test_gapless_reads_rows_without_rank_tables(nq, hilbert):
+    """gapless=True (no position_ids given: keys are rows 0, 1, ... of each sequence) finds keys
+    by row arithmetic, without the rank tables, and gives what the tables give, bit for bit,
+    with rows past the cache and per-row cache lengths."""
+    nk = 45
+    kp = torch.where(torch.arange(nk) < torch.tensor([[41], [30]]), torch.arange(nk), -1)
+    qr = torch.tensor([[41], [30]]) - nq + torch.arange(nq)
+    q, k, v = make(2, 4, 2, nq, nk, 24, 40, seed=5)
+    args = (q, k, v, kp, qr, (8, 16, 32), (1, 2, 4), hilbert, None)
+    out, lse = decode_forward(*args, gapless=True)
+    out_t, lse_t = decode_forward(*args)
+    assert torch.equal(out, out_t) and torch.equal(lse, lse_t)
+    check(q, k, v, kp, qr, (8, 16, 32), (1, 2, 4), hilbert, gapless=True)
+
+
+@pytest.mark.parametrize("nq", [1, 3])
 def test_long_cache_many_splits(nq):
     """One (64, 1) branch over cache lengths 100 and 75: up to 64 keys in 16-key splits, and
     the query's segment starts mid-cache (j = 1)."""
