@@ -84,6 +84,46 @@ def check(out, device, lowerings=("sdpa", "triton")):
                 log(out, f"{'ok  ' if ok else 'FAIL'} {str(dtype)[6:]:9s} {lowering:6s} "
                          f"hilbert={hilbert!s:5s} causal={causal!s:5s} {name:22s} out {errs[0]:.1e} dq {errs[1]:.1e} "
                          f"dk {errs[2]:.1e} dv {errs[3]:.1e}")
+    return failures + check_holes(out, device, lowerings)
+
+
+def check_holes(out, device, lowerings):
+    """Cached queries (decode, Nq <= 16) of a sequence with padding between its tokens: keys are
+    found by rank among the real tokens (the Triton decode kernel's HOLES path); against the
+    reference on the row with its padding removed."""
+    torch.manual_seed(1)
+    w, r = (64, 128, 256), (1, 2, 4)
+    pos = torch.cat([torch.arange(300), torch.full((40,), -1), torch.arange(300, 560),
+                     torch.full((3,), -1), torch.arange(560, 657)])  # 700 rows, 657 tokens
+    real = pos >= 0
+    failures = 0
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
+        for lowering, hilbert, nq in itertools.product(lowerings, (False, True), (1, 3, 16)):
+            q = torch.randn(1, 8, nq, 64, device=device, dtype=dtype, requires_grad=True)
+            k = torch.randn(1, 4, 700, 64, device=device, dtype=dtype, requires_grad=True)
+            v = torch.randn(1, 4, 700, 64, device=device, dtype=dtype, requires_grad=True)
+            o = dilated_attention(q, k, v, w, r, hilbert=hilbert, is_causal=True, enable_gqa=True,
+                                  lowering=lowering, position_ids=pos.view(1, -1).to(device))
+            g = torch.randn_like(o)
+            o.backward(g)
+            n = int(real.sum())
+            qd = torch.zeros(1, 8, n, 64, dtype=torch.float64)
+            qd[:, :, n - nq:] = q.detach().double().cpu()
+            kd, vd = (x.detach().double().cpu()[:, :, real] for x in (k, v))
+            qd, kd, vd = (x.requires_grad_() for x in (qd, kd, vd))
+            ref = reference_sequences(qd, kd, vd, w, r, hilbert=hilbert, is_causal=True,
+                                      enable_gqa=True, position_ids=pos[real])
+            gd = torch.zeros_like(ref)
+            gd[:, :, n - nq:] = g.double().cpu()
+            ref.backward(gd)
+            errs = [rel(o.detach(), ref.detach()[:, :, n - nq:]), rel(q.grad, qd.grad[:, :, n - nq:]),
+                    rel(k.grad[:, :, real.to(device)], kd.grad),
+                    rel(v.grad[:, :, real.to(device)], vd.grad)]
+            ok = all(e < tol for e in errs) and not k.grad[:, :, ~real.to(device)].any()
+            failures += not ok
+            log(out, f"{'ok  ' if ok else 'FAIL'} {str(dtype)[6:]:9s} {lowering:6s} "
+                     f"hilbert={hilbert!s:5s} decode holes Nq={nq:<2d}        out {errs[0]:.1e} "
+                     f"dq {errs[1]:.1e} dk {errs[2]:.1e} dv {errs[3]:.1e}")
     return failures
 
 
@@ -235,7 +275,8 @@ def decode(out, device):
                  f"| {fmt(dgraph)} |  (decode vs full row max |diff| {err:.1e})")
 
 
-def model(out, device):
+def model(out, device, lengths=(8192, 32768, 131072)):
+    from torch._dynamo.utils import counters
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                          num_attention_heads=16, num_key_value_heads=16, vocab_size=1024,
@@ -252,10 +293,10 @@ def model(out, device):
         return o.transpose(1, 2).contiguous(), None
     transformers.AttentionInterface.register("dense_decode", dense_attention)
     transformers.AttentionMaskInterface.register("dense_decode", lambda *a, **k: None)
-    log(out, "| prompt | dense ms/token | dilated ms/token | dense / dilated |")
-    log(out, "|---|---|---|---|")
-    for length in (8192, 32768, 131072):
-        times = {}
+    log(out, "| prompt | dense ms/token | dilated ms/token | dense / dilated | graphs compiled (dense, dilated) |")
+    log(out, "|---|---|---|---|---|")
+    for length in lengths:
+        times, graphs = {}, {}
         for name in ("dense", "dilated"):
             torch.manual_seed(0)
             config._attn_implementation = "dense_decode" if name == "dense" else "sdpa"
@@ -264,6 +305,7 @@ def model(out, device):
                 segment_lengths=w, dilation_rates=r, hilbert=True)
             hilbert_fx.compile_for_generate(m, backend=backend, dynamic=True)
             prompt = torch.randint(0, 1024, (1, length), device=device)
+            compiled = counters["stats"]["unique_graphs"]
             with torch.no_grad():
                 m.generate(prompt, max_new_tokens=4, do_sample=False)  # compiles
                 torch.cuda.synchronize()
@@ -275,10 +317,11 @@ def model(out, device):
                 m.generate(prompt, max_new_tokens=33, do_sample=False)
                 torch.cuda.synchronize()
                 times[name] = (time.perf_counter() - t0 - prefill) / 32 * 1e3
+            graphs[name] = counters["stats"]["unique_graphs"] - compiled
             del m
             torch.cuda.empty_cache()
         log(out, f"| {length // 1024}K | {times['dense']:.2f} | {times['dilated']:.2f} | "
-                 f"{times['dense'] / times['dilated']:.2f}x |")
+                 f"{times['dense'] / times['dilated']:.2f}x | {graphs['dense']}, {graphs['dilated']} |")
 
 
 def main():
@@ -286,6 +329,8 @@ def main():
     p.add_argument("--steps", nargs="+", default=["check", "packed", "decode", "model"])
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     p.add_argument("--device", default="cuda", help="cpu runs the check only (sdpa lowering)")
+    p.add_argument("--model-lens", type=int, nargs="+", default=[8192, 32768, 131072],
+                   help="prompt lengths of the model step, in this order")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     device = torch.device(args.device)
@@ -296,8 +341,9 @@ def main():
     for step in args.steps:
         log(args.out, f"=== {step}")
         try:
-            result = {"check": check, "packed": packed, "decode": decode, "model": model}[step](
-                args.out, device)
+            steps = {"check": check, "packed": packed, "decode": decode,
+                     "model": lambda o, d: model(o, d, args.model_lens)}
+            result = steps[step](args.out, device)
             failures += result or 0
         except Exception as e:  # noqa: BLE001 - a failed step fails the run, the others still run
             import traceback
