@@ -19,8 +19,9 @@ HILBERT_FX_GLUON=0 turns the Hopper kernels off, HILBERT_FX_GLUON_RUNS=0 the TMA
 (both read once: lowering/tuning.py).
 
 Whether a plan qualifies is decided from its fields, without reading its counts on the host (a
-synchronisation with the GPU); only a plan that qualifies has its positions read, once per plan
-object, to find its runs (`plan_run`).
+synchronisation with the GPU). A qualifying plan's runs (`plan_run`) come from its order's table
+on the host (plans.class_members) when the plan names its order, as the plans of one row and of
+packed rows do; another (a ring's) has its positions read, once per plan object.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import logging
 
 import torch
 
+from . import plans
 from .tuning import PlanCache, tuning
 
 log = logging.getLogger("hilbert_fx.lowering")
@@ -175,7 +177,14 @@ def plan_run(plan) -> int:
 
 
 def _longest_run(plan) -> int:
-    pos, r, m = plan.positions, plan.dilation_rate, plan.set_size
+    r, m = plan.dilation_rate, plan.set_size
+    if plan.hilbert is not None and _whole_sets(plan):
+        # every set is a segment's first row plus its class's in-segment positions: the runs
+        # are the table's, found on the host without reading positions from the GPU (a packed
+        # batch's plans are new each batch, and each read would wait for the GPU)
+        pos = plans.class_members(plan.segment_length, r, plan.hilbert)
+    else:
+        pos = plan.positions
     for length in RUN_LENGTHS:
         if m % length == 0:
             chunks = pos.reshape(r, -1, m // length, length)

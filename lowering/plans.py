@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -71,6 +72,11 @@ class BranchPlan:
     strided: bool = False
     # every row 0 .. seq_len - 1 is in a set of every offset; False where rows are padding
     complete: bool = True
+    # the in-segment order the sets were built in (None: not known): every whole segment's set
+    # of offset o is then the segment's first row plus class_members(w, r, hilbert)[o], which
+    # lets a lowering learn the sets' shape from this table on the host instead of reading
+    # positions from the GPU (a synchronisation)
+    hilbert: Optional[bool] = None
 
     @property
     def num_segments(self) -> int:
@@ -127,7 +133,8 @@ def _cached_plan(seq_len: int, w: int, r: int, hilbert: bool, device: str) -> Br
     positions = _build_positions(seq_len, w, r, hilbert)
     counts = (positions < seq_len).sum(-1)
     strided = not hilbert or torch.equal(positions, _build_positions(seq_len, w, r, hilbert=False))
-    return BranchPlan(w, r, seq_len, positions.to(device), counts.to(device), strided=strided)
+    return BranchPlan(w, r, seq_len, positions.to(device), counts.to(device), strided=strided,
+                      hilbert=hilbert)
 
 
 def branch_plan(seq_len: int, segment_length: int, dilation_rate: int, hilbert: bool,

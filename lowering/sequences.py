@@ -92,7 +92,7 @@ def sequence_plans(positions: Tensor, segment_lengths, dilation_rates, hilbert: 
         cnt = torch.zeros(r, s + 1, dtype=torch.int64, device=device)
         cnt.index_put_((cls, segment), torch.ones_like(tokens), accumulate=True)
         plans.append(BranchPlan(w, r, total, pos[:, :s].contiguous(), cnt[:, :s].contiguous(),
-                                strided=False, complete=bool(complete)))
+                                strided=False, complete=bool(complete), hilbert=bool(hilbert)))
     return plans
 
 

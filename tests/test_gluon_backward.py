@@ -111,6 +111,22 @@ def test_run_lengths():
     assert gluon_forward.plan_run(branch_plan(65536, 4096, 2, False)) == 0
 
 
+@pytest.mark.parametrize("hilbert", [False, True])
+@pytest.mark.parametrize("w, r", [(1024, 2), (2048, 2), (1024, 4), (512, 1)])
+def test_run_lengths_from_the_order_equal_those_of_the_positions(w, r, hilbert):
+    """A plan that names its order has its runs found from the order's table on the host (no
+    read of its positions from the GPU): the same runs as its positions have, for one row's
+    plans and for the plans of packed rows whose documents fill whole segments."""
+    from dataclasses import replace
+
+    from hilbert_fx.lowering.sequences import sequence_plans
+    pos = torch.cat([torch.arange(3 * w), torch.arange(w), torch.arange(2 * w)]).view(2, 3 * w)
+    for plan in (branch_plan(6 * w, w, r, hilbert), *sequence_plans(pos, (w,), (r,), hilbert)):
+        assert plan.hilbert == hilbert
+        from_positions = gluon_forward._longest_run(replace(plan, hilbert=None))
+        assert gluon_forward._longest_run(plan) == from_positions
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_run_boxes_hold_exactly_the_runs_rows(layout):
     """The producer copies RUN members Pos[first + i] as one box at row row0 + p // r, column
