@@ -277,7 +277,7 @@ def decode(out, device):
 
 def model(out, device, lengths=(8192, 32768, 131072)):
     from torch._dynamo.utils import counters
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                          num_attention_heads=16, num_key_value_heads=16, vocab_size=1024,
                          max_position_embeddings=140000)
@@ -296,10 +296,14 @@ def model(out, device, lengths=(8192, 32768, 131072)):
     # the dense baseline compiles a graph per layer and phase (transformers' cache guards): room
     # for them all, so that no layer falls back to running uncompiled mid-measurement
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    log(out, "| prompt | dense ms/token | dilated ms/token | dense / dilated | graphs compiled (dense, dilated) |")
-    log(out, "|---|---|---|---|---|")
+    log(out, "generate(): ms per new token, the prompt's time subtracted (medians of 3); "
+             "forward loop: the compiled forward called token after token as generate() does "
+             "(dynamic cache), elapsed ms per step and the host's ms to issue one")
+    log(out, "| prompt | dense generate | dilated generate | dense loop (host) | dilated loop (host) "
+             "| graphs compiled (dense, dilated) |")
+    log(out, "|---|---|---|---|---|---|")
     for length in lengths:
-        times, graphs = {}, {}
+        times, loops, graphs = {}, {}, {}
         for name in ("dense", "dilated"):
             torch.manual_seed(0)
             config._attn_implementation = "dense_decode" if name == "dense" else "sdpa"
@@ -318,16 +322,44 @@ def model(out, device, lengths=(8192, 32768, 131072)):
                     m.generate(prompt, max_new_tokens=tokens, do_sample=False)
                     torch.cuda.synchronize()
                     return time.perf_counter() - t0
-                # the prompt's time subtracted; medians of 3, as one generate is host-bound and
-                # its time varies from run to run
+                # generate() is host-bound and its time varies from run to run
                 prefill = sorted(run(1) for _ in range(3))[1]
                 both = sorted(run(33) for _ in range(3))[1]
                 times[name] = (both - prefill) / 32 * 1e3
+                loops[name] = forward_loop(m, config, prompt, 32, DynamicCache)
             graphs[name] = counters["stats"]["unique_graphs"] - compiled
             del m
             torch.cuda.empty_cache()
+        fmt = lambda x: f"{x[0]:.2f} ({x[1]:.2f})"  # noqa: E731
         log(out, f"| {length // 1024}K | {times['dense']:.2f} | {times['dilated']:.2f} | "
-                 f"{times['dense'] / times['dilated']:.2f}x | {graphs['dense']}, {graphs['dilated']} |")
+                 f"{fmt(loops['dense'])} | {fmt(loops['dilated'])} | {graphs['dense']}, "
+                 f"{graphs['dilated']} |")
+
+
+def forward_loop(m, config, prompt, steps, cache_class):
+    """(elapsed ms per decoding step, median host ms to issue one) of the compiled forward
+    called as generate() calls it (the 2-D mask, cache_position), greedy, after one warm-up."""
+    length = prompt.shape[1]
+    mask = torch.ones(1, length + steps + 1, dtype=torch.long, device=prompt.device)
+
+    def run():
+        cache = cache_class(config=config)
+        out = m(input_ids=prompt, attention_mask=mask[:, :length], past_key_values=cache,
+                use_cache=True, cache_position=torch.arange(length, device=prompt.device))
+        tok = out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        host, t0 = [], time.perf_counter()
+        for i in range(steps):
+            n = length + i
+            a = time.perf_counter()
+            out = m(input_ids=tok, attention_mask=mask[:, :n + 1], past_key_values=cache,
+                    use_cache=True, cache_position=torch.arange(n, n + 1, device=prompt.device))
+            tok = out.logits[:, -1:].argmax(-1)
+            host.append(time.perf_counter() - a)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / steps * 1e3, sorted(host)[steps // 2] * 1e3
+    run()
+    return run()
 
 
 def main():
