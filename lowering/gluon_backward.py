@@ -4,13 +4,15 @@ lowering/triton_lowering.py's backward asks `unsupported(...)` for each branch: 
 branch's dq, dk, dv come from here, a string says why the Triton kernels compute them instead
 (logged once per reason, as the forward's choice is: lowering/gluon_forward.py). A branch runs
 here on the same terms as the Hopper forward (compute capability 9.x, Triton 3.6, float16 or
-bfloat16, head dims 64 and 128, no mask, no dropout, whole sets, q, k, v contiguous or
+bfloat16, head dims 64 and 128, no mask, no dropout, w / r a multiple of 128 (whole sets, or
+partial ones gathered: gluon_forward.partial_sets), q, k, v contiguous or
 [B, N, H, D] transposed, N * D and Hkv * N under 2**31), and not when deterministic algorithms
 are asked for: dq is added by float32 atomics in an order that varies.
 """
 from __future__ import annotations
 
 from . import gluon_forward
+from .triton_plans import plan_tensors
 
 LOG2E = 1.4426950408889634
 CTA_KEYS = 128  # two consumers of 64 keys
@@ -67,7 +69,11 @@ def dout_needs_copy(dout, plan) -> bool:
     """Whether dout must be made contiguous first: a layout the 2-D views cannot read, an
     unaligned start, or rows too far apart for the gather's int32 offsets."""
     n = dout.shape[2]
-    return (gluon_forward._view(dout, plan.dilation_rate) is None or dout.data_ptr() % 16 != 0
+    if gluon_forward.partial_sets(plan):  # gathered row by row: rows of 16-byte multiples
+        unreadable = dout.stride(-1) != 1 or dout.stride(2) * dout.element_size() % 16 != 0
+    else:
+        unreadable = gluon_forward._view(dout, plan.dilation_rate) is None
+    return (unreadable or dout.data_ptr() % 16 != 0
             or (not plan.is_strided and n * dout.stride(2) >= 2**31))
 
 
@@ -84,10 +90,12 @@ def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, fi
     w, r = plan.segment_length, plan.dilation_rate
     group = hq // hkv
     classes = min(r, group)
-    grid = ((w // r) // CTA_KEYS, n // w, b * hkv * classes)
+    grid = ((w // r) // CTA_KEYS, plan.num_segments, b * hkv * classes)
     bm = _TILES["BLOCK_M"]
     run = gluon_forward.plan_run(plan)
-    if plan.is_strided or run:
+    partial = gluon_forward.partial_sets(plan)
+    counts = plan_tensors(plan, q.device)[1]
+    if (plan.is_strided or run) and not partial:
         tensors, coords = [], []
         for x, ref, box in ((q, q_ref, [run or bm, d]), (k, k_ref, [run or 64, d]),
                             (k, k_ref, [run or CTA_KEYS, d // 2]), (v, v_ref, [run or 64, d]),
@@ -101,7 +109,8 @@ def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, fi
         coords = [s for x in (q, k, v, dout) for s in (*x.stride()[:3], 0)]
         regs = dict(GATHER=True, RUN=0, **_GATHER_PRODUCER)
     args = [*tensors, *buffers, positions, scale * LOG2E, scale, hq, hkv, n, group, classes, w,
-            positions.stride(0), positions.stride(1), *coords]
+            positions.stride(0), positions.stride(1), counts, counts.stride(0), counts.stride(1),
+            *coords]
     kwargs = dict(R=r, HEAD_D=d, CAUSAL=bool(is_causal), FIRST=first, LAST=last,
-                  ONE_HEAD=group <= r, **_TILES, **regs)
+                  ONE_HEAD=group <= r, PARTIAL=partial, **_TILES, **regs)
     return kern._bwd_kernel, grid, args, kwargs

@@ -149,31 +149,37 @@ def _load_partition(Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, 
 
 
 @gluon.jit
-def _add_rows(acc, Buf, Final, Seen, seen_idx, offs, FIRST: gl.constexpr, LAST: gl.constexpr):
+def _add_rows(acc, Buf, Final, Seen, seen_idx, offs, valid, FIRST: gl.constexpr,
+              LAST: gl.constexpr):
     """acc (float32 rows of a gradient; offs their elements) plus what the branches launched
-    before left in Buf at the rows Seen marks, into Buf, or when LAST into Final in its dtype."""
+    before left in Buf at the rows Seen marks, into Buf, or when LAST into Final in its dtype;
+    only rows where `valid` holds (members of a partial set past its count are no rows)."""
+    live = gl.expand_dims(valid, 1) & (offs >= 0)
     if not FIRST:
-        seen = gl.expand_dims(gl.load(Seen + seen_idx) != 0, 1) & (offs >= 0)
+        seen = gl.expand_dims(gl.load(Seen + seen_idx, mask=valid, other=0) != 0, 1) & live
         acc += gl.load(Buf + offs, mask=seen, other=0.0)
     if LAST:
-        gl.store(Final + offs, acc.to(Final.dtype.element_ty))
+        gl.store(Final + offs, acc.to(Final.dtype.element_ty), mask=live)
     else:
-        gl.store(Buf + offs, acc)
+        gl.store(Buf + offs, acc, mask=live)
 
 
 @gluon.jit
 def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty,
               do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
               qk_scale, sm_scale, q_head_row, q_head_step, kv_head_row, seen_row, set_row, pos_set,
-              key_first, t0, n_q, n_heads, R: gl.constexpr, CID: gl.constexpr, NW: gl.constexpr,
-              BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              GATHER: gl.constexpr, CAUSAL: gl.constexpr, FIRST: gl.constexpr,
-              LAST: gl.constexpr, CP_ASYNC: gl.constexpr):
+              key_first, t0, n_q, n_heads, count, R: gl.constexpr, CID: gl.constexpr,
+              NW: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+              STAGES: gl.constexpr, GATHER: gl.constexpr, CAUSAL: gl.constexpr,
+              FIRST: gl.constexpr, LAST: gl.constexpr, CP_ASYNC: gl.constexpr,
+              PARTIAL: gl.constexpr):
     """Keys key_first + CID * KEYS + [0, KEYS) of the set, over query tiles t0 ... n_q - 1 of
     n_heads heads. Flat rows (of a query head in Lse2, Delta, DQ; of the kv head in DK, DV):
     member m of the set is set_row + m * R past the head's first row, or Pos[pos_set + m]
     (GATHER). Offsets within a head are int32 (gluon_backward checks N * D < 2**31). CP_ASYNC:
-    the rings were written by cp.async, which wgmma reads only after a proxy fence."""
+    the rings were written by cp.async, which wgmma reads only after a proxy fence. PARTIAL:
+    the set has `count` members; P is 0 for members past it, as queries and as keys, whose
+    rows (the plan's padding positions) are neither read back nor written."""
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = _mma_layout(NW, BLOCK_M)         # S^T, dP^T: [KEYS, BLOCK_M]
     acc_layout: gl.constexpr = _mma_layout(NW, HEAD_D)        # dK, dV: [KEYS, HEAD_D]
@@ -230,6 +236,10 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
                 if t - t0 < 2:  # the diagonal's two tiles: keys after their query get nothing
                     queries = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_l)
                     p = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0), p, 0.0)
+            if PARTIAL:
+                queries = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_l)
+                p = gl.where(gl.expand_dims(keys < count, 1) & gl.expand_dims(queries < count, 0),
+                             p, 0.0)
             dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
             ds16 = (p * (dp - gl.expand_dims(gl.convert_layout(dl, col_l), 0))).to(dtype)
             buf = it % 2
@@ -253,7 +263,11 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
                 dq_ptrs = DQ + head_row * HEAD_D + (gl.expand_dims(dq_pos * HEAD_D, 1) + dq_cols)
             else:
                 dq_ptrs = DQ + tile_row * HEAD_D + dq_offs
-            gl.atomic_add(dq_ptrs, dq * sm_scale, sem="relaxed")
+            if PARTIAL:
+                dq_live = gl.expand_dims(t * BLOCK_M + dq_members < count, 1) & (dq_cols >= 0)
+                gl.atomic_add(dq_ptrs, dq * sm_scale, mask=dq_live, sem="relaxed")
+            else:
+                gl.atomic_add(dq_ptrs, dq * sm_scale, sem="relaxed")
             it += 1
     rows_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
     members = key_first + CID * KEYS + gl.arange(0, KEYS, layout=rows_l)
@@ -264,18 +278,21 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
     offs = (gl.expand_dims(krow * HEAD_D, 1)
             + gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout)), 0))
     base = kv_head_row * HEAD_D
-    _add_rows(dk * sm_scale, DK + base, DKO + base, Seen, seen_row + krow, offs, FIRST, LAST)
-    _add_rows(dv, DV + base, DVO + base, Seen, seen_row + krow, offs, FIRST, LAST)
+    valid = members < count
+    _add_rows(dk * sm_scale, DK + base, DKO + base, Seen, seen_row + krow, offs, valid, FIRST,
+              LAST)
+    _add_rows(dv, DV + base, DVO + base, Seen, seen_row + krow, offs, valid, FIRST, LAST)
 
 
 @gluon.jit
 def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos, qk_scale,
-                sm_scale, H, HKV, N, GROUP, NUM_CLASSES, W, stride_po, stride_ps,
+                sm_scale, H, HKV, N, GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt, stride_co,
+                stride_cs,
                 QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, OA, OB, OC, OD,
                 R: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
                 STAGES: gl.constexpr, GATHER: gl.constexpr, CAUSAL: gl.constexpr,
                 FIRST: gl.constexpr, LAST: gl.constexpr, ONE_HEAD: gl.constexpr,
-                RUN: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+                RUN: gl.constexpr, PARTIAL: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 num_warps: gl.constexpr):
     """Grid (set length / 128, segments, B * HKV * NUM_CLASSES): the key tile runs fastest.
@@ -288,7 +305,8 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     GATHER: member m is at Pos[o, j, m]; the tensors (KDx is Kx) and (A, B, C) their batch, head
     and row strides, or, when RUN > 0 (members in stride-R runs of RUN), descriptors as above
     with boxes of RUN rows. Lse2, Delta, DQ are contiguous over [B, H, N], DK, DV, DKO, DVO over
-    [B, HKV, N], Seen over [HKV, N]."""
+    [B, HKV, N], Seen over [HKV, N]. PARTIAL (GATHER, RUN == 0): set j of offset o has
+    Cnt[o, j] members (a packed row's plan); programs past it end at once."""
     key_tile = gl.program_id(0)
     seg = gl.program_id(1)
     pid = gl.program_id(2)
@@ -301,10 +319,16 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     n_heads = 1 if ONE_HEAD else (GROUP - cls + R - 1) // R  # ONE_HEAD: GROUP <= R
     set_len = W // R
     key_first = key_tile * (CONSUMERS * KEYS)
+    if PARTIAL:
+        count = gl.load(Cnt + off * stride_co + seg * stride_cs).to(gl.int32)
+    else:
+        count = set_len
+    if key_first >= count:  # a partial set's program with no key
+        return
     t0 = 0
     if CAUSAL:  # query tiles from the key tile's diagonal on
         t0 = key_first // BLOCK_M
-    n_q = set_len // BLOCK_M
+    n_q = (count + BLOCK_M - 1) // BLOCK_M
     q_head_row = (b * H + h).to(gl.int64) * N
     kv_head_row = bg.to(gl.int64) * N
     set_row = seg * W + off
@@ -352,13 +376,13 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
         (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty,
                      do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
                      qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N, set_row, pos_set,
-                     key_first, t0, n_q, n_heads, R, 0, num_warps, BLOCK_M, HEAD_D, STAGES, GATHER,
-                     CAUSAL, FIRST, LAST, CP_ASYNC)),
+                     key_first, t0, n_q, n_heads, count, R, 0, num_warps, BLOCK_M, HEAD_D, STAGES,
+                     GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL)),
         (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty,
                      do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
                      qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N, set_row, pos_set,
-                     key_first, t0, n_q, n_heads, R, 1, num_warps, BLOCK_M, HEAD_D, STAGES, GATHER,
-                     CAUSAL, FIRST, LAST, CP_ASYNC)),
+                     key_first, t0, n_q, n_heads, count, R, 1, num_warps, BLOCK_M, HEAD_D, STAGES,
+                     GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL)),
         (_load_partition, (Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
                            kv_bar, q_ready, q_empty, do_ready, do_empty, b, g, h, off, seg,
                            set_len, pos_set, key_first, t0, n_q, n_heads, QA, QB, QC, QD, KA, KB,

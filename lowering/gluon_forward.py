@@ -11,10 +11,13 @@ kernels merge their branches the same way (float32 Acc and Lse), so one call may
 It runs on compute capability 9.x with Triton 3.6 (Gluon's API changes between releases: other
 versions run the Triton kernels, with the reason logged), for float16 and bfloat16, head dims 64
 and 128 (v's the same), causal or not, no mask, no dropout, a scale >= 0 (> 0 when causal),
-whole sets (N % w == 0, w / r a multiple of 128, no padding row: plan.complete), and q, k, v
-each contiguous or a [B, N, H, D] tensor transposed. Sets reached by strides (the identity
-order, or r == 1 in any order) are read by TMA, and so are the Hilbert order's sets made of runs
-of stride r (`plan_run`: its r = 2 sets); its others by cp.async through the plan's positions.
+w / r a multiple of 128, and q, k, v each contiguous or a [B, N, H, D] tensor transposed. Whole
+sets (N % w == 0, no padding row: plan.complete) reached by strides (the identity order, or
+r == 1 in any order) are read by TMA, and so are the Hilbert order's sets made of runs of stride
+r (`plan_run`: its r = 2 sets); its others by cp.async through the plan's positions. Partial
+sets (`partial_sets`: packed documents, padding, N % w != 0 in the Hilbert order) are gathered
+by cp.async too, each set's count read by the kernel; in the identity order they run the Triton
+kernels.
 HILBERT_FX_GLUON=0 turns the Hopper kernels off, HILBERT_FX_GLUON_RUNS=0 the TMA copies of runs
 (both read once: lowering/tuning.py).
 
@@ -30,6 +33,7 @@ import logging
 import torch
 
 from . import plans
+from .triton_plans import plan_tensors
 from .tuning import PlanCache, tuning
 
 log = logging.getLogger("hilbert_fx.lowering")
@@ -156,6 +160,12 @@ def _whole_sets(plan) -> bool:
             and plan.num_segments == n // w and plan.set_size == w // r)
 
 
+def partial_sets(plan) -> bool:
+    """Whether the plan's sets may hold fewer than w / r members (packed rows, padding, N % w
+    != 0): the kernels then read each set's count and gather its members by cp.async."""
+    return not _whole_sets(plan)
+
+
 RUN_LENGTHS = (64, 32, 16, 8)  # boxes of at least 8 rows keep the 128-byte swizzle's alignment
 
 
@@ -171,7 +181,7 @@ def plan_run(plan) -> int:
     HILBERT_FX_GLUON_RUNS=0. Found once per plan (`_runs`).
     Hilbert's r = 2 sets are a checkerboard of its grid, so each grid row's members are such a
     run: at N = 64K, L = 32 for w = 4096 (a 64-wide grid); r = 4 and 8 have none."""
-    if plan.is_strided or not tuning().gluon_runs:
+    if plan.is_strided or not tuning().gluon_runs or partial_sets(plan):
         return 0
     return _runs.get(plan, None, lambda: _longest_run(plan))
 
@@ -254,14 +264,18 @@ def _unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale) -> str | N
     if scale < 0 or (is_causal and scale == 0):
         return "negative scale (or zero, causal)"
     n, w, r = plan.seq_len, plan.segment_length, plan.dilation_rate
-    if (w // r) % CTA_ROWS or not _whole_sets(plan):
-        return (f"partial sets (N % w != 0, a shard's part of a segment, padding or sequences "
-                f"shorter than w, or w / r not a multiple of {CTA_ROWS})")
-    if n // w > 65535 or q.shape[0] * q.shape[1] > 65535:
+    if (w // r) % CTA_ROWS:
+        return f"w / r not a multiple of {CTA_ROWS}"
+    partial = partial_sets(plan)
+    if partial and plan.is_strided:
+        return "partial sets in the identity order (N % w != 0): their positions are not gathered"
+    if plan.num_segments > 65535 or q.shape[0] * q.shape[1] > 65535:
         return "grid too large (segments or batch * heads over 65535)"
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if _view(x, r) is None or x.data_ptr() % 16:
+        if x.data_ptr() % 16 or (x.stride(-1) != 1 if partial else _view(x, r) is None):
             return f"{name}'s layout (neither contiguous nor [B, N, H, D] transposed, or unaligned)"
+        if partial and x.stride(2) * x.element_size() % 16:
+            return f"{name}'s rows are not 16-byte aligned (cp.async copies 16 bytes)"
         if not plan.is_strided and n * x.stride(2) >= 2**31:
             return f"{name}'s rows lie 2**31 elements apart or more (int32 offsets of the gather)"
     if _load() is None:
@@ -294,9 +308,11 @@ def prepare(q, k, v, plan, positions, *, is_causal: bool, scale: float, first: b
     b, hq, n, d = q.shape
     w, r = plan.segment_length, plan.dilation_rate
     tiles = _TILES[d]
-    grid = ((w // r) // CTA_ROWS, n // w, b * hq)
+    grid = ((w // r) // CTA_ROWS, plan.num_segments, b * hq)
     run = plan_run(plan)
-    if plan.is_strided or run:
+    partial = partial_sets(plan)
+    counts = plan_tensors(plan, q.device)[1]
+    if (plan.is_strided or run) and not partial:
         tensors, coords = [], []
         for x, ref, rows in ((q, q_ref, tiles["BLOCK_M"]), (k, k_ref, tiles["BLOCK_N"]),
                              (v, v_ref, tiles["BLOCK_N"])):
@@ -308,6 +324,8 @@ def prepare(q, k, v, plan, positions, *, is_causal: bool, scale: float, first: b
         coords = [s for x in (q, k, v) for s in (*x.stride()[:3], 0)]
         regs = dict(GATHER=True, RUN=0, **_GATHER_PRODUCER)
     args = [*tensors, out, acc, lse, positions, scale * LOG2E, hq, n, hq // k.shape[1], r, w,
-            positions.stride(0), positions.stride(1), *coords]
-    kwargs = dict(FIRST=first, LAST=last, CAUSAL=bool(is_causal), HEAD_D=d, **tiles, **regs)
+            positions.stride(0), positions.stride(1), counts, counts.stride(0), counts.stride(1),
+            *coords]
+    kwargs = dict(FIRST=first, LAST=last, CAUSAL=bool(is_causal), HEAD_D=d, PARTIAL=partial,
+                  **tiles, **regs)
     return kern._fwd_kernel, grid, args, kwargs

@@ -30,8 +30,9 @@ The producer reaches the rows where they lie, with no copy of q, k, v:
 The end of a program merges its rows into the result of the branches launched before, exactly
 as lowering/triton_kernels.py's _fwd_kernel does: by log-sum-exp in float32 through
 (Acc [B, H, N, D] float32, Lse [B, H, N]) unless FIRST; a LAST branch writes Out in q's dtype.
-Every set is full (N % w == 0) and the scale is not negative; the only mask is the causal
-diagonal, on one key tile per program.
+The scale is not negative; the only mask is the causal diagonal, on one key tile per program,
+and, for the partial sets of packed rows (PARTIAL: sets of Cnt members, reached through the
+plan's positions), the members past a set's count on its last key tile.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -211,11 +212,19 @@ def _on_diagonal(s, key_first, query_first, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _merge_rows(acc, m_i, l_i, old, Out, Acc, Lse, rows,
+def _past_count(s, key_first, count, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """Partial sets: scores of the members past the set's count (no keys) to -inf."""
+    keys = key_first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    return gl.where(gl.expand_dims(keys < count, 0), s, float("-inf"))
+
+
+@gluon.jit
+def _merge_rows(acc, m_i, l_i, old, Out, Acc, Lse, rows, valid,
                 HEAD_D: gl.constexpr, NW: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr):
     """This branch's rows (o = acc / l, lse) merged into the branches' before: `rows` (int64, of
-    the flat [B * H * N] row index of Out, Acc and Lse). Loads and stores stay in wgmma's layout
-    (each thread's pairs of columns fill whole 32-byte sectors)."""
+    the flat [B * H * N] row index of Out, Acc and Lse), those where `valid` holds (members of
+    a partial set past its count are no rows). Loads and stores stay in wgmma's layout (each
+    thread's pairs of columns fill whole 32-byte sectors)."""
     layout: gl.constexpr = _mma_layout(NW, HEAD_D)
     rows_l: gl.constexpr = gl.SliceLayout(1, layout)
     cols_l: gl.constexpr = gl.SliceLayout(0, layout)
@@ -223,32 +232,37 @@ def _merge_rows(acc, m_i, l_i, old, Out, Acc, Lse, rows,
     lse = (gl.convert_layout(m_i, rows_l) + gl.log2(l_r)) * 0.6931471805599453
     o = acc * gl.expand_dims(1.0 / l_r, 1)
     offs = gl.expand_dims(rows * HEAD_D, 1) + gl.expand_dims(gl.arange(0, HEAD_D, layout=cols_l), 0)
+    valid = gl.convert_layout(valid, rows_l)
+    live = gl.expand_dims(valid, 1) & (offs >= 0)
     if not FIRST:  # old: Lse at rows, -inf where no branch before selected the row
         top = gl.maximum(old, lse)  # finite: lse is
         w_old = gl.exp(old - top)
         w_new = gl.exp(lse - top)
         total = w_old + w_new
-        seen = gl.expand_dims(old > float("-inf"), 1) & (offs >= 0)
+        seen = gl.expand_dims(old > float("-inf"), 1) & live
         prev = gl.load(Acc + offs, mask=seen, other=0.0)
         o = prev * gl.expand_dims(w_old / total, 1) + o * gl.expand_dims(w_new / total, 1)
         lse = top + gl.log(total)
     if LAST:
-        gl.store(Out + offs, o.to(Out.dtype.element_ty))
+        gl.store(Out + offs, o.to(Out.dtype.element_ty), mask=live)
     else:
-        gl.store(Acc + offs, o)
-    gl.store(Lse + rows, lse)
+        gl.store(Acc + offs, o, mask=live)
+    gl.store(Lse + rows, lse, mask=valid)
 
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc, Lse,
-              Pos, qk_scale, first_row, R, pos_q, q_first, n_tiles,
+              Pos, qk_scale, first_row, R, pos_q, q_first, n_tiles, count,
               CID: gl.constexpr, NW: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_D: gl.constexpr, STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
-              GATHER: gl.constexpr, CAUSAL: gl.constexpr, CP_ASYNC: gl.constexpr):
+              GATHER: gl.constexpr, CAUSAL: gl.constexpr, CP_ASYNC: gl.constexpr,
+              PARTIAL: gl.constexpr):
     """Rows CID * BLOCK_M ... of the CTA's query tile (members q_first + ...), over the key tiles
     [0, n_tiles) of the set; under CAUSAL the last of them holds the diagonal. GATHER: rows are
     found through Pos. CP_ASYNC: the rings were written by cp.async (the generic proxy), which
-    wgmma reads only after a proxy fence."""
+    wgmma reads only after a proxy fence. PARTIAL: the set has `count` members (a packed row's
+    set); members past it are neither keys (masked on the last tile; under CAUSAL the diagonal
+    already excludes them for every member's query) nor rows to write."""
     query_first = q_first + CID * BLOCK_M
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = _mma_layout(NW, BLOCK_N)
@@ -261,6 +275,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     rows_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     members = CID * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_l)
+    valid = (q_first + members) < count
     # the output rows' positions, and the lse the branches before left there (their kernels are
     # done), read while the first tiles load rather than in the epilogue's chain of dependent
     # loads: 4% fewer cycles on the r = 2 runs, 1 to 1.5% elsewhere (ncu, BENCHMARKS.md)
@@ -268,7 +283,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         q_pos = gl.load(Pos + pos_q + members)
     if not FIRST:
         if GATHER:
-            old_lse = gl.load(Lse + first_row + q_pos.to(gl.int64))
+            old_lse = gl.load(Lse + first_row + q_pos.to(gl.int64), mask=valid,
+                              other=float("-inf"))
         else:
             old_lse = gl.load(Lse + first_row + members.to(gl.int64) * R)
     else:
@@ -285,6 +301,9 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     if CAUSAL:
         if n_tiles == 1:
             s = _on_diagonal(s, 0, query_first, BLOCK_M, BLOCK_N, s_layout)
+    elif PARTIAL:
+        if n_tiles == 1:
+            s = _past_count(s, 0, count, BLOCK_N, s_layout)
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
     for t in range(1, n_tiles):  # S(t) and P(t-1) v(t-1) in flight; then the softmax of t
@@ -302,6 +321,9 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         if CAUSAL:
             if t == n_tiles - 1:
                 s = _on_diagonal(s, t * BLOCK_N, query_first, BLOCK_M, BLOCK_N, s_layout)
+        elif PARTIAL:
+            if t == n_tiles - 1:
+                s = _past_count(s, t * BLOCK_N, count, BLOCK_N, s_layout)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         acc, p16_used = warpgroup_mma_wait(0, deps=(acc_tok, p16))  # p16 stays live until read
         mbarrier.arrive(v_empty.index(prev), count=1)
@@ -318,17 +340,17 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         rows = first_row + q_pos.to(gl.int64)
     else:
         rows = first_row + members.to(gl.int64) * R
-    _merge_rows(acc, m_i, l_i, old_lse, Out, Acc, Lse, rows, HEAD_D, NW, FIRST, LAST)
+    _merge_rows(acc, m_i, l_i, old_lse, Out, Acc, Lse, rows, valid, HEAD_D, NW, FIRST, LAST)
 
 
 @gluon.jit
 def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
-                H, N, GROUP, R: gl.constexpr, W, stride_po, stride_ps,
+                H, N, GROUP, R: gl.constexpr, W, stride_po, stride_ps, Cnt, stride_co, stride_cs,
                 QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                 STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
                 GATHER: gl.constexpr, CAUSAL: gl.constexpr, RUN: gl.constexpr,
-                PRODUCER_WARPS: gl.constexpr,
+                PARTIAL: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 num_warps: gl.constexpr):
     """Grid (set length / (2 * BLOCK_M), segments, B * H): the query tile runs fastest, so the
@@ -338,7 +360,9 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     Strided sets (not GATHER): Qx, Kx, Vx are TMA descriptors of the 2-D views and (A, B, C, D)
     of each are (RB, RH, CH, CO) above. GATHER: member m of set j of offset o is at Pos[o, j, m];
     Qx, Kx, Vx are the tensors and (A, B, C) their batch, head and row strides, or, when RUN > 0
-    (the members come in stride-R runs of RUN), descriptors as above with boxes of RUN rows."""
+    (the members come in stride-R runs of RUN), descriptors as above with boxes of RUN rows.
+    PARTIAL (GATHER, RUN == 0): set j of offset o has Cnt[o, j] members (a packed row's plan);
+    CTAs past it end at once, the others stop at its last key tile."""
     tile = gl.program_id(0)
     if CAUSAL:
         tile = gl.num_programs(0) - 1 - tile
@@ -350,7 +374,13 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     off = h % R
     set_len = W // R
     q_first = tile * (CONSUMERS * BLOCK_M)  # the CTA's first member
-    n_tiles = set_len // BLOCK_N
+    if PARTIAL:
+        count = gl.load(Cnt + off * stride_co + seg * stride_cs).to(gl.int32)
+    else:
+        count = set_len
+    if q_first >= count:  # a partial set's CTA with no member
+        return
+    n_tiles = (count + BLOCK_N - 1) // BLOCK_N
     if CAUSAL:  # key tiles up to the one holding the CTA's last query
         n_tiles = gl.minimum(n_tiles, (q_first + CONSUMERS * BLOCK_M + BLOCK_N - 1) // BLOCK_N)
     # the producer copies by cp.async (Qx a tensor; each of its threads arrives) or by TMA
@@ -388,13 +418,13 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     # its constexprs into tensors).
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc,
-                     Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles, 0,
-                     num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER, CAUSAL,
-                     CP_ASYNC)),
+                     Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles, count,
+                     0, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
+                     CAUSAL, CP_ASYNC, PARTIAL)),
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc,
-                     Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles, 1,
-                     num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER, CAUSAL,
-                     CP_ASYNC)),
+                     Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles, count,
+                     1, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
+                     CAUSAL, CP_ASYNC, PARTIAL)),
         (_load_partition, (Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
                            v_ready, v_empty, b, h, hk, off, seg, set_len, R, pos_set, q_first,
                            n_tiles, QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, BLOCK_M,
