@@ -16,6 +16,7 @@ model    a 12-layer Llama (width 1024) generating with the compiled forward afte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import sys
@@ -232,6 +233,24 @@ def graph_time(fn, reps=20):
         return None
 
 
+@contextlib.contextmanager
+def hopper_kernels_off():
+    """HILBERT_FX_GLUON=0 inside the block (the knobs are read once: read again on the way in
+    and out)."""
+    from hilbert_fx.lowering import tuning
+    saved = os.environ.get("HILBERT_FX_GLUON")
+    os.environ["HILBERT_FX_GLUON"] = "0"
+    tuning._current = None
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["HILBERT_FX_GLUON"]
+        else:
+            os.environ["HILBERT_FX_GLUON"] = saved
+        tuning._current = None
+
+
 def packed(out, device):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention, or_masks
     n, h, d = sum(DOCS), 16, 128
@@ -294,23 +313,30 @@ def packed(out, device):
     log(out, f"packed 64K: op vs one by one max |diff| {err:.2e}, flex vs one by one {ferr:.2e}")
     log(out, "| method | forward ms | forward+backward ms | peak memory GiB (fwd+bwd) |")
     log(out, "|---|---|---|---|")
-    for name, fn in (("op, position_ids", op), ("documents one by one", one_by_one),
+    for name, fn in (("op, position_ids", op),
+                     ("op, position_ids, Triton kernels only (HILBERT_FX_GLUON=0)", op),
+                     ("documents one by one", one_by_one),
                      ("FlexAttention, document mask", flex_op)):
-        with torch.no_grad():
-            _, fwd = gpu_time(fn, reps=5)
-        grad = torch.randn(1, h, n, d, device=device, dtype=torch.bfloat16)
+        with hopper_kernels_off() if "GLUON=0" in name else contextlib.nullcontext():
+            time_packed(out, name, fn, h, n, d, device)
 
-        def step():
-            fn().backward(grad)
-        step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        _, both = gpu_time(step, reps=5)
-        log(out, f"| {name} | {fwd / 1e3:.2f} | {both / 1e3:.2f} | {peak:.2f} |")
+
+def time_packed(out, name, fn, h, n, d, device):
+    with torch.no_grad():
+        _, fwd = gpu_time(fn, reps=5)
+    grad = torch.randn(1, h, n, d, device=device, dtype=torch.bfloat16)
+
+    def step():
+        fn().backward(grad)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    _, both = gpu_time(step, reps=5)
+    log(out, f"| {name} | {fwd / 1e3:.2f} | {both / 1e3:.2f} | {peak:.2f} |")
 
 
 def decode(out, device):
