@@ -263,6 +263,14 @@ def _unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale) -> str | N
         return "a mask or dropout"
     if scale < 0 or (is_causal and scale == 0):
         return "negative scale (or zero, causal)"
+    reason = _sets_unsupported(q, k, v, plan)
+    if reason is None and _load() is None:
+        return _import_error
+    return reason
+
+
+def _sets_unsupported(q, k, v, plan) -> str | None:
+    """Why the kernels cannot read this plan's sets from q, k, v as laid out, or None."""
     n, w, r = plan.seq_len, plan.segment_length, plan.dilation_rate
     if (w // r) % CTA_ROWS:
         return f"w / r not a multiple of {CTA_ROWS}"
@@ -278,8 +286,6 @@ def _unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale) -> str | N
             return f"{name}'s rows are not 16-byte aligned (cp.async copies 16 bytes)"
         if not plan.is_strided and n * x.stride(2) >= 2**31:
             return f"{name}'s rows lie 2**31 elements apart or more (int32 offsets of the gather)"
-    if _load() is None:
-        return _import_error
     return None
 
 

@@ -52,21 +52,33 @@ def test_not_used_on_cpu_or_when_turned_off(monkeypatch):
     assert why == "HILBERT_FX_GLUON=0"
 
 
-def test_whole_sets_only():
-    """The kernel's grid assumes N / w segments of w / r members each: a partial last segment or
-    a ring shard's part of a segment runs on the Triton kernels."""
+def test_partial_sets_are_gathered():
+    """Sets with fewer than w / r members (a partial last segment, packed documents, padding, a
+    ring shard's part of a segment) run the Hopper kernels through the gather (each set's count
+    read by the kernel), unless in the identity order, whose positions the lowering does not
+    pad for a gather; whole sets keep TMA."""
     from hilbert_fx.lowering.ring_plan import shard_branch_plans
-    assert gluon_forward._whole_sets(branch_plan(4096, 1024, 2, True))
-    assert not gluon_forward._whole_sets(branch_plan(4000, 1024, 2, True))
+    from hilbert_fx.lowering.sequences import sequence_plans
+    whole = branch_plan(4096, 1024, 2, True)
+    assert not gluon_forward.partial_sets(whole)
+    assert gluon_forward.partial_sets(branch_plan(4000, 1024, 2, True))
     for plan in shard_branch_plans(3000, 2, 0, [2048, 4096], [1, 2], True):
-        assert not gluon_forward._whole_sets(plan)
+        assert gluon_forward.partial_sets(plan)
+    packed = sequence_plans(torch.cat([torch.arange(700), torch.arange(324)]).view(1, -1),
+                            (256, 512), (1, 2), True)
+    assert all(gluon_forward.partial_sets(p) for p in packed)
 
-
-def test_other_triton_versions_refused(monkeypatch):
-    """Gluon's API differs between Triton releases: an untested one runs the Triton kernels."""
-    import triton
-    monkeypatch.setattr(triton, "__version__", "3.9.0")
-    monkeypatch.setattr(gluon_forward, "_kernels", None)
-    monkeypatch.setattr(gluon_forward, "_import_error", None)
-    assert gluon_forward._load() is None
-    assert "Triton 3.9.0" in gluon_forward._import_error
+    x = torch.randn(1, 2, 4096, 64, dtype=torch.bfloat16)
+    assert gluon_forward._sets_unsupported(x, x, x, whole) is None
+    y = x[:, :, :4000]
+    assert gluon_forward._sets_unsupported(y, y, y, branch_plan(4000, 1024, 2, True)) is None
+    assert "identity order" in gluon_forward._sets_unsupported(
+        y, y, y, branch_plan(4000, 1024, 2, False))
+    z = x[:, :, :1024]
+    for plan in packed:
+        assert gluon_forward._sets_unsupported(z, z, z, plan) is None
+    # a gather copies 16 bytes a row at a time: rows of 20 bf16 elements are not aligned
+    odd = torch.randn(1, 2, 1024, 20, dtype=torch.bfloat16)[..., :16]
+    assert "16-byte" in gluon_forward._sets_unsupported(odd, odd, odd, packed[0])
+    assert "multiple of 128" in gluon_forward._sets_unsupported(
+        x, x, x, branch_plan(4096, 1024, 16, True))
