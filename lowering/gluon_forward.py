@@ -16,8 +16,8 @@ sets (N % w == 0, no padding row: plan.complete) reached by strides (the identit
 r == 1 in any order) are read by TMA, and so are the Hilbert order's sets made of runs of stride
 r (`plan_run`: its r = 2 sets); its others by cp.async through the plan's positions. Partial
 sets (`partial_sets`: packed documents, padding, N % w != 0 in the Hilbert order) are gathered
-by cp.async too, each set's count read by the kernel; in the identity order they run the Triton
-kernels.
+by cp.async too, each set's count read by the kernel; in the identity order, and in a ring
+shard's plans (not yet checked on several GPUs with this path), they run the Triton kernels.
 HILBERT_FX_GLUON=0 turns the Hopper kernels off, HILBERT_FX_GLUON_RUNS=0 the TMA copies of runs
 (both read once: lowering/tuning.py).
 
@@ -277,6 +277,11 @@ def _sets_unsupported(q, k, v, plan) -> str | None:
     partial = partial_sets(plan)
     if partial and plan.is_strided:
         return "partial sets in the identity order (N % w != 0): their positions are not gathered"
+    if partial and plan.hilbert is None:
+        # the gather of partial sets is checked on the GPU for one row's and packed rows' plans
+        # (which name their order); a ring shard's plans keep the Triton kernels they were
+        # measured with until the ring is checked on several GPUs with it
+        return "partial sets of a ring shard's plan"
     if plan.num_segments > 65535 or q.shape[0] * q.shape[1] > 65535:
         return "grid too large (segments or batch * heads over 65535)"
     for name, x in (("q", q), ("k", k), ("v", v)):

@@ -53,16 +53,17 @@ def test_not_used_on_cpu_or_when_turned_off(monkeypatch):
 
 
 def test_partial_sets_are_gathered():
-    """Sets with fewer than w / r members (a partial last segment, packed documents, padding, a
-    ring shard's part of a segment) run the Hopper kernels through the gather (each set's count
-    read by the kernel), unless in the identity order, whose positions the lowering does not
-    pad for a gather; whole sets keep TMA."""
+    """Sets with fewer than w / r members (a partial last segment, packed documents, padding)
+    run the Hopper kernels through the gather (each set's count read by the kernel), unless in
+    the identity order, whose positions the lowering does not pad for a gather, or a ring
+    shard's (kept on the Triton kernels until checked on several GPUs); whole sets keep TMA."""
     from hilbert_fx.lowering.ring_plan import shard_branch_plans
     from hilbert_fx.lowering.sequences import sequence_plans
     whole = branch_plan(4096, 1024, 2, True)
     assert not gluon_forward.partial_sets(whole)
     assert gluon_forward.partial_sets(branch_plan(4000, 1024, 2, True))
-    for plan in shard_branch_plans(3000, 2, 0, [2048, 4096], [1, 2], True):
+    shards = shard_branch_plans(3000, 2, 0, [2048, 4096], [1, 2], True)
+    for plan in shards:
         assert gluon_forward.partial_sets(plan)
     packed = sequence_plans(torch.cat([torch.arange(700), torch.arange(324)]).view(1, -1),
                             (256, 512), (1, 2), True)
@@ -80,5 +81,7 @@ def test_partial_sets_are_gathered():
     # a gather copies 16 bytes a row at a time: rows of 20 bf16 elements are not aligned
     odd = torch.randn(1, 2, 1024, 20, dtype=torch.bfloat16)[..., :16]
     assert "16-byte" in gluon_forward._sets_unsupported(odd, odd, odd, packed[0])
+    s = x[:, :, :1500]
+    assert "ring shard" in gluon_forward._sets_unsupported(s, s, s, shards[1])
     assert "multiple of 128" in gluon_forward._sets_unsupported(
         x, x, x, branch_plan(4096, 1024, 16, True))
