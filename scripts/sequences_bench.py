@@ -89,35 +89,6 @@ def check(out, device, lowerings=("sdpa", "triton")):
             + check_partial(out, device, lowerings))
 
 
-def check_whole(out, device, lowerings):
-    """Packed documents that fill whole segments of every branch (w / r >= 128): on an H100 or
-    H200 the Hopper kernels run these plans, their runs found from the order's table."""
-    torch.manual_seed(2)
-    w, r = (128, 256), (1, 2)
-    pos = torch.cat([torch.arange(512), torch.arange(256), torch.arange(256)]).view(1, -1)
-    failures = 0
-    for lowering, hilbert, causal in itertools.product(lowerings, (False, True), (False, True)):
-        q = torch.randn(1, 8, 1024, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(1, 4, 1024, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn(1, 4, 1024, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
-        o = dilated_attention(q, k, v, w, r, hilbert=hilbert, is_causal=causal, enable_gqa=True,
-                              lowering=lowering, position_ids=pos.to(device))
-        g = torch.randn_like(o)
-        o.backward(g)
-        qd, kd, vd = (x.detach().double().cpu().requires_grad_() for x in (q, k, v))
-        ref = reference_sequences(qd, kd, vd, w, r, hilbert=hilbert, is_causal=causal,
-                                  enable_gqa=True, position_ids=pos)
-        ref.backward(g.double().cpu())
-        errs = [rel(o.detach(), ref.detach())] + [rel(x.grad, y.grad) for x, y in
-                                                  ((q, qd), (k, kd), (v, vd))]
-        ok = all(e < 3e-2 for e in errs)
-        failures += not ok
-        log(out, f"{'ok  ' if ok else 'FAIL'} bfloat16  {lowering:6s} hilbert={hilbert!s:5s} "
-                 f"causal={causal!s:5s} packed whole segments  out {errs[0]:.1e} dq {errs[1]:.1e} "
-                 f"dk {errs[2]:.1e} dv {errs[3]:.1e}")
-    return failures
-
-
 def check_holes(out, device, lowerings):
     """Cached queries (decode, Nq <= 16) of a sequence with padding between its tokens: keys are
     found by rank among the real tokens (the Triton decode kernel's HOLES path); against the
@@ -158,40 +129,57 @@ def check_holes(out, device, lowerings):
     return failures
 
 
+def check_whole(out, device, lowerings):
+    """Packed documents that fill whole segments of every branch (w / r >= 128): on an H100 or
+    H200 the Hopper kernels run these plans, their runs found from the order's table."""
+    torch.manual_seed(2)
+    pos = torch.cat([torch.arange(512), torch.arange(256), torch.arange(256)]).view(1, -1)
+    return sum(packed_case(out, device, "packed whole segments", pos, (128, 256), (1, 2),
+                           torch.bfloat16, 64, *case)
+               for case in itertools.product(lowerings, (False, True), (False, True)))
+
+
 def check_partial(out, device, lowerings):
     """Packed documents of ragged lengths (shorter than a segment, spanning several) with padding,
     branches whose sets are 128 members (w / r = 128): on an H100 or H200 the Hopper kernels run
     these partial sets (each set's count read by the kernel), forward and backward."""
     torch.manual_seed(3)
-    w, r = (128, 256, 512), (1, 2, 4)
     docs = torch.cat([torch.arange(n) for n in (300, 77, 513, 134)])  # 1024 tokens
     pos = torch.stack([torch.cat([docs, torch.full((100,), -1)]),
                        torch.cat([torch.full((60,), -1), torch.arange(1064)])])  # [2, 1124]
-    failures = 0
-    for (dtype, d), lowering, hilbert, causal in itertools.product(
-            ((torch.bfloat16, 64), (torch.float16, 128)), lowerings, (False, True), (False, True)):
-        q = torch.randn(2, 8, 1124, d, device=device, dtype=dtype, requires_grad=True)
-        k = torch.randn(2, 4, 1124, d, device=device, dtype=dtype, requires_grad=True)
-        v = torch.randn(2, 4, 1124, d, device=device, dtype=dtype, requires_grad=True)
-        o = dilated_attention(q, k, v, w, r, hilbert=hilbert, is_causal=causal, enable_gqa=True,
-                              lowering=lowering, position_ids=pos.to(device))
-        g = torch.randn_like(o)
-        o.backward(g)
-        qd, kd, vd = (x.detach().double().cpu().requires_grad_() for x in (q, k, v))
-        ref = reference_sequences(qd, kd, vd, w, r, hilbert=hilbert, is_causal=causal,
-                                  enable_gqa=True, position_ids=pos)
-        ref.backward(g.double().cpu())
-        errs = [rel(o.detach(), ref.detach())] + [rel(x.grad, y.grad) for x, y in
-                                                  ((q, qd), (k, kd), (v, vd))]
-        ok = all(e < 3e-2 for e in errs)
-        failures += not ok
-        log(out, f"{'ok  ' if ok else 'FAIL'} {str(dtype)[6:]:9s} {lowering:6s} hilbert={hilbert!s:5s} "
-                 f"causal={causal!s:5s} packed partial D={d:<3d}    out {errs[0]:.1e} dq {errs[1]:.1e} "
-                 f"dk {errs[2]:.1e} dv {errs[3]:.1e}")
+    failures = sum(packed_case(out, device, f"packed partial D={d}", pos, (128, 256, 512),
+                               (1, 2, 4), dtype, d, *case)
+                   for (dtype, d), *case in itertools.product(
+                       ((torch.bfloat16, 64), (torch.float16, 128)), lowerings, (False, True),
+                       (False, True)))
     if device.type == "cuda":
         from hilbert_fx.lowering import gluon_forward
         log(out, "kernels that ran: " + "; ".join(gluon_forward.kernel_choices()))
     return failures
+
+
+def packed_case(out, device, name, pos, w, r, dtype, d, lowering, hilbert, causal) -> int:
+    """1 if the op on rows with position_ids `pos` [B, N] (8 query heads, 4 kv heads) differs
+    from the float64 reference in out or a gradient by more than 3e-2 (relative), else 0."""
+    b, n = pos.shape
+    q = torch.randn(b, 8, n, d, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, 4, n, d, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, 4, n, d, device=device, dtype=dtype, requires_grad=True)
+    o = dilated_attention(q, k, v, w, r, hilbert=hilbert, is_causal=causal, enable_gqa=True,
+                          lowering=lowering, position_ids=pos.to(device))
+    g = torch.randn_like(o)
+    o.backward(g)
+    qd, kd, vd = (x.detach().double().cpu().requires_grad_() for x in (q, k, v))
+    ref = reference_sequences(qd, kd, vd, w, r, hilbert=hilbert, is_causal=causal,
+                              enable_gqa=True, position_ids=pos)
+    ref.backward(g.double().cpu())
+    errs = [rel(o.detach(), ref.detach())] + [rel(x.grad, y.grad) for x, y in
+                                              ((q, qd), (k, kd), (v, vd))]
+    ok = all(e < 3e-2 for e in errs)
+    log(out, f"{'ok  ' if ok else 'FAIL'} {str(dtype)[6:]:9s} {lowering:6s} hilbert={hilbert!s:5s} "
+             f"causal={causal!s:5s} {name:22s} out {errs[0]:.1e} dq {errs[1]:.1e} "
+             f"dk {errs[2]:.1e} dv {errs[3]:.1e}")
+    return 0 if ok else 1
 
 
 # ----------------------------------------------------------------------------- timing
