@@ -150,18 +150,28 @@ def _load_partition(Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, 
 
 @gluon.jit
 def _add_rows(acc, Buf, Final, Seen, seen_idx, offs, valid, FIRST: gl.constexpr,
-              LAST: gl.constexpr):
+              LAST: gl.constexpr, PARTIAL: gl.constexpr):
     """acc (float32 rows of a gradient; offs their elements) plus what the branches launched
     before left in Buf at the rows Seen marks, into Buf, or when LAST into Final in its dtype;
-    only rows where `valid` holds (members of a partial set past its count are no rows)."""
-    live = gl.expand_dims(valid, 1) & (offs >= 0)
-    if not FIRST:
-        seen = gl.expand_dims(gl.load(Seen + seen_idx, mask=valid, other=0) != 0, 1) & live
-        acc += gl.load(Buf + offs, mask=seen, other=0.0)
-    if LAST:
-        gl.store(Final + offs, acc.to(Final.dtype.element_ty), mask=live)
+    PARTIAL: only rows where `valid` holds (members of a partial set past its count are no
+    rows). Whole sets keep the unmasked code (the masks cost spilled registers at D = 128)."""
+    if PARTIAL:
+        live = gl.expand_dims(valid, 1) & (offs >= 0)
+        if not FIRST:
+            seen = gl.expand_dims(gl.load(Seen + seen_idx, mask=valid, other=0) != 0, 1) & live
+            acc += gl.load(Buf + offs, mask=seen, other=0.0)
+        if LAST:
+            gl.store(Final + offs, acc.to(Final.dtype.element_ty), mask=live)
+        else:
+            gl.store(Buf + offs, acc, mask=live)
     else:
-        gl.store(Buf + offs, acc, mask=live)
+        if not FIRST:
+            seen = gl.expand_dims(gl.load(Seen + seen_idx) != 0, 1) & (offs >= 0)
+            acc += gl.load(Buf + offs, mask=seen, other=0.0)
+        if LAST:
+            gl.store(Final + offs, acc.to(Final.dtype.element_ty))
+        else:
+            gl.store(Buf + offs, acc)
 
 
 @gluon.jit
@@ -278,10 +288,13 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
     offs = (gl.expand_dims(krow * HEAD_D, 1)
             + gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout)), 0))
     base = kv_head_row * HEAD_D
-    valid = members < count
+    if PARTIAL:
+        valid = members < count
+    else:
+        valid = 0
     _add_rows(dk * sm_scale, DK + base, DKO + base, Seen, seen_row + krow, offs, valid, FIRST,
-              LAST)
-    _add_rows(dv, DV + base, DVO + base, Seen, seen_row + krow, offs, valid, FIRST, LAST)
+              LAST, PARTIAL)
+    _add_rows(dv, DV + base, DVO + base, Seen, seen_row + krow, offs, valid, FIRST, LAST, PARTIAL)
 
 
 @gluon.jit
@@ -321,14 +334,15 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     key_first = key_tile * (CONSUMERS * KEYS)
     if PARTIAL:
         count = gl.load(Cnt + off * stride_co + seg * stride_cs).to(gl.int32)
+        if key_first >= count:  # a program with no key of its partial set
+            return
+        n_q = (count + BLOCK_M - 1) // BLOCK_M
     else:
         count = set_len
-    if key_first >= count:  # a partial set's program with no key
-        return
+        n_q = set_len // BLOCK_M
     t0 = 0
     if CAUSAL:  # query tiles from the key tile's diagonal on
         t0 = key_first // BLOCK_M
-    n_q = (count + BLOCK_M - 1) // BLOCK_M
     q_head_row = (b * H + h).to(gl.int64) * N
     kv_head_row = bg.to(gl.int64) * N
     set_row = seg * W + off

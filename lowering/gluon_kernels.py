@@ -220,11 +220,12 @@ def _past_count(s, key_first, count, BLOCK_N: gl.constexpr, layout: gl.constexpr
 
 @gluon.jit
 def _merge_rows(acc, m_i, l_i, old, Out, Acc, Lse, rows, valid,
-                HEAD_D: gl.constexpr, NW: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr):
+                HEAD_D: gl.constexpr, NW: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
+                PARTIAL: gl.constexpr):
     """This branch's rows (o = acc / l, lse) merged into the branches' before: `rows` (int64, of
-    the flat [B * H * N] row index of Out, Acc and Lse), those where `valid` holds (members of
-    a partial set past its count are no rows). Loads and stores stay in wgmma's layout (each
-    thread's pairs of columns fill whole 32-byte sectors)."""
+    the flat [B * H * N] row index of Out, Acc and Lse); PARTIAL: those where `valid` holds
+    (members of a partial set past its count are no rows). Loads and stores stay in wgmma's
+    layout (each thread's pairs of columns fill whole 32-byte sectors)."""
     layout: gl.constexpr = _mma_layout(NW, HEAD_D)
     rows_l: gl.constexpr = gl.SliceLayout(1, layout)
     cols_l: gl.constexpr = gl.SliceLayout(0, layout)
@@ -232,8 +233,10 @@ def _merge_rows(acc, m_i, l_i, old, Out, Acc, Lse, rows, valid,
     lse = (gl.convert_layout(m_i, rows_l) + gl.log2(l_r)) * 0.6931471805599453
     o = acc * gl.expand_dims(1.0 / l_r, 1)
     offs = gl.expand_dims(rows * HEAD_D, 1) + gl.expand_dims(gl.arange(0, HEAD_D, layout=cols_l), 0)
-    valid = gl.convert_layout(valid, rows_l)
-    live = gl.expand_dims(valid, 1) & (offs >= 0)
+    if PARTIAL:
+        live = gl.expand_dims(valid, 1) & (offs >= 0)
+    else:
+        live = offs >= 0
     if not FIRST:  # old: Lse at rows, -inf where no branch before selected the row
         top = gl.maximum(old, lse)  # finite: lse is
         w_old = gl.exp(old - top)
@@ -243,11 +246,18 @@ def _merge_rows(acc, m_i, l_i, old, Out, Acc, Lse, rows, valid,
         prev = gl.load(Acc + offs, mask=seen, other=0.0)
         o = prev * gl.expand_dims(w_old / total, 1) + o * gl.expand_dims(w_new / total, 1)
         lse = top + gl.log(total)
-    if LAST:
-        gl.store(Out + offs, o.to(Out.dtype.element_ty), mask=live)
+    if PARTIAL:
+        if LAST:
+            gl.store(Out + offs, o.to(Out.dtype.element_ty), mask=live)
+        else:
+            gl.store(Acc + offs, o, mask=live)
+        gl.store(Lse + rows, lse, mask=valid)
     else:
-        gl.store(Acc + offs, o, mask=live)
-    gl.store(Lse + rows, lse, mask=valid)
+        if LAST:
+            gl.store(Out + offs, o.to(Out.dtype.element_ty))
+        else:
+            gl.store(Acc + offs, o)
+        gl.store(Lse + rows, lse)
 
 
 @gluon.jit
@@ -275,16 +285,21 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     rows_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     members = CID * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_l)
-    valid = (q_first + members) < count
+    if PARTIAL:
+        valid = (q_first + members) < count
+    else:
+        valid = 0
     # the output rows' positions, and the lse the branches before left there (their kernels are
     # done), read while the first tiles load rather than in the epilogue's chain of dependent
     # loads: 4% fewer cycles on the r = 2 runs, 1 to 1.5% elsewhere (ncu, BENCHMARKS.md)
     if GATHER:
         q_pos = gl.load(Pos + pos_q + members)
     if not FIRST:
-        if GATHER:
+        if PARTIAL:
             old_lse = gl.load(Lse + first_row + q_pos.to(gl.int64), mask=valid,
                               other=float("-inf"))
+        elif GATHER:
+            old_lse = gl.load(Lse + first_row + q_pos.to(gl.int64))
         else:
             old_lse = gl.load(Lse + first_row + members.to(gl.int64) * R)
     else:
@@ -340,7 +355,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         rows = first_row + q_pos.to(gl.int64)
     else:
         rows = first_row + members.to(gl.int64) * R
-    _merge_rows(acc, m_i, l_i, old_lse, Out, Acc, Lse, rows, valid, HEAD_D, NW, FIRST, LAST)
+    _merge_rows(acc, m_i, l_i, old_lse, Out, Acc, Lse, rows, valid, HEAD_D, NW, FIRST, LAST,
+                PARTIAL)
 
 
 @gluon.jit
@@ -376,11 +392,12 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     q_first = tile * (CONSUMERS * BLOCK_M)  # the CTA's first member
     if PARTIAL:
         count = gl.load(Cnt + off * stride_co + seg * stride_cs).to(gl.int32)
+        if q_first >= count:  # a CTA with no member of its partial set
+            return
+        n_tiles = (count + BLOCK_N - 1) // BLOCK_N
     else:
         count = set_len
-    if q_first >= count:  # a partial set's CTA with no member
-        return
-    n_tiles = (count + BLOCK_N - 1) // BLOCK_N
+        n_tiles = set_len // BLOCK_N
     if CAUSAL:  # key tiles up to the one holding the CTA's last query
         n_tiles = gl.minimum(n_tiles, (q_first + CONSUMERS * BLOCK_M + BLOCK_N - 1) // BLOCK_N)
     # the producer copies by cp.async (Qx a tensor; each of its threads arrives) or by TMA
