@@ -85,3 +85,13 @@ def test_partial_sets_are_gathered():
     assert "ring shard" in gluon_forward._sets_unsupported(s, s, s, shards[1])
     assert "multiple of 128" in gluon_forward._sets_unsupported(
         x, x, x, branch_plan(4096, 1024, 16, True))
+
+
+def test_other_triton_versions_refused(monkeypatch):
+    """Gluon's API differs between Triton releases: an untested one runs the Triton kernels."""
+    import triton
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    monkeypatch.setattr(gluon_forward, "_kernels", None)
+    monkeypatch.setattr(gluon_forward, "_import_error", None)
+    assert gluon_forward._load() is None
+    assert "Triton 3.9.0" in gluon_forward._import_error
