@@ -66,25 +66,8 @@ def check(out, device, lowerings=("sdpa", "triton")):
                                                                          (False, True)):
                 if not causal and nq < nk:  # a cache continuation is causal
                     continue
-                q = torch.randn(2, 8, nq, 64, device=device, dtype=dtype, requires_grad=True)
-                k = torch.randn(2, 4, nk, 64, device=device, dtype=dtype, requires_grad=True)
-                v = torch.randn(2, 4, nk, 64, device=device, dtype=dtype, requires_grad=True)
-                kwd = {a: t.to(device) for a, t in kw.items()}
-                o = dilated_attention(q, k, v, w, r, hilbert=hilbert, is_causal=causal,
-                                      enable_gqa=True, lowering=lowering, **kwd)
-                g = torch.randn_like(o)
-                o.backward(g)
-                qd, kd, vd = (x.detach().double().cpu().requires_grad_() for x in (q, k, v))
-                ref = reference_sequences(qd, kd, vd, w, r, hilbert=hilbert, is_causal=causal,
-                                          enable_gqa=True, **kw)
-                ref.backward(g.double().cpu())
-                errs = [rel(o.detach(), ref.detach())] + [rel(x.grad, y.grad) for x, y in
-                                                          ((q, qd), (k, kd), (v, vd))]
-                ok = all(e < tol for e in errs)
-                failures += not ok
-                log(out, f"{'ok  ' if ok else 'FAIL'} {str(dtype)[6:]:9s} {lowering:6s} "
-                         f"hilbert={hilbert!s:5s} causal={causal!s:5s} {name:22s} out {errs[0]:.1e} dq {errs[1]:.1e} "
-                         f"dk {errs[2]:.1e} dv {errs[3]:.1e}")
+                failures += compare(out, device, name, kw, 2, nq, nk, w, r, dtype, 64, tol,
+                                    lowering, hilbert, causal)
     return (failures + check_holes(out, device, lowerings) + check_whole(out, device, lowerings)
             + check_partial(out, device, lowerings))
 
@@ -134,8 +117,8 @@ def check_whole(out, device, lowerings):
     H200 the Hopper kernels run these plans, their runs found from the order's table."""
     torch.manual_seed(2)
     pos = torch.cat([torch.arange(512), torch.arange(256), torch.arange(256)]).view(1, -1)
-    return sum(packed_case(out, device, "packed whole segments", pos, (128, 256), (1, 2),
-                           torch.bfloat16, 64, *case)
+    return sum(compare(out, device, "packed whole segments", dict(position_ids=pos), 1, 1024, 1024,
+                       (128, 256), (1, 2), torch.bfloat16, 64, 3e-2, *case)
                for case in itertools.product(lowerings, (False, True), (False, True)))
 
 
@@ -147,8 +130,8 @@ def check_partial(out, device, lowerings):
     docs = torch.cat([torch.arange(n) for n in (300, 77, 513, 134)])  # 1024 tokens
     pos = torch.stack([torch.cat([docs, torch.full((100,), -1)]),
                        torch.cat([torch.full((60,), -1), torch.arange(1064)])])  # [2, 1124]
-    failures = sum(packed_case(out, device, f"packed partial D={d}", pos, (128, 256, 512),
-                               (1, 2, 4), dtype, d, *case)
+    failures = sum(compare(out, device, f"packed partial D={d}", dict(position_ids=pos), 2, 1124,
+                           1124, (128, 256, 512), (1, 2, 4), dtype, d, 3e-2, *case)
                    for (dtype, d), *case in itertools.product(
                        ((torch.bfloat16, 64), (torch.float16, 128)), lowerings, (False, True),
                        (False, True)))
@@ -158,24 +141,25 @@ def check_partial(out, device, lowerings):
     return failures
 
 
-def packed_case(out, device, name, pos, w, r, dtype, d, lowering, hilbert, causal) -> int:
-    """1 if the op on rows with position_ids `pos` [B, N] (8 query heads, 4 kv heads) differs
-    from the float64 reference in out or a gradient by more than 3e-2 (relative), else 0."""
-    b, n = pos.shape
-    q = torch.randn(b, 8, n, d, device=device, dtype=dtype, requires_grad=True)
-    k = torch.randn(b, 4, n, d, device=device, dtype=dtype, requires_grad=True)
-    v = torch.randn(b, 4, n, d, device=device, dtype=dtype, requires_grad=True)
+def compare(out, device, name, kw, b, nq, nk, w, r, dtype, d, tol, lowering, hilbert,
+            causal) -> int:
+    """1 if the op (8 query heads, 4 kv heads, B = b, Nq queries against Nk keys, structure
+    arguments kw) differs from the float64 reference in out or a gradient by more than tol
+    (relative), else 0; logs a line either way."""
+    q = torch.randn(b, 8, nq, d, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, 4, nk, d, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, 4, nk, d, device=device, dtype=dtype, requires_grad=True)
     o = dilated_attention(q, k, v, w, r, hilbert=hilbert, is_causal=causal, enable_gqa=True,
-                          lowering=lowering, position_ids=pos.to(device))
+                          lowering=lowering, **{a: t.to(device) for a, t in kw.items()})
     g = torch.randn_like(o)
     o.backward(g)
     qd, kd, vd = (x.detach().double().cpu().requires_grad_() for x in (q, k, v))
     ref = reference_sequences(qd, kd, vd, w, r, hilbert=hilbert, is_causal=causal,
-                              enable_gqa=True, position_ids=pos)
+                              enable_gqa=True, **kw)
     ref.backward(g.double().cpu())
     errs = [rel(o.detach(), ref.detach())] + [rel(x.grad, y.grad) for x, y in
                                               ((q, qd), (k, kd), (v, vd))]
-    ok = all(e < 3e-2 for e in errs)
+    ok = all(e < tol for e in errs)
     log(out, f"{'ok  ' if ok else 'FAIL'} {str(dtype)[6:]:9s} {lowering:6s} hilbert={hilbert!s:5s} "
              f"causal={causal!s:5s} {name:22s} out {errs[0]:.1e} dq {errs[1]:.1e} "
              f"dk {errs[2]:.1e} dv {errs[3]:.1e}")
