@@ -90,7 +90,7 @@ def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, fi
     w, r = plan.segment_length, plan.dilation_rate
     group = hq // hkv
     classes = min(r, group)
-    grid = ((w // r) // CTA_KEYS, plan.num_segments, b * hkv * classes)
+    grid = (gluon_forward.set_tiles(plan, CTA_KEYS), plan.num_segments, b * hkv * classes)
     bm = _TILES["BLOCK_M"]
     run = gluon_forward.plan_run(plan)
     partial = gluon_forward.partial_sets(plan)

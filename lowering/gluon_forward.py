@@ -166,6 +166,15 @@ def partial_sets(plan) -> bool:
     return not _whole_sets(plan)
 
 
+def set_tiles(plan, rows: int) -> int:
+    """Programs along a set for tiles of `rows` members: w / r / rows for whole sets; for partial
+    ones, enough for the plan's slots (a ring's folded cross plan has sets of 2048 slots in a
+    segment of w = 131072, r = 1: w / r would launch 64 times the programs, all but 1/64 ending
+    at once)."""
+    slots = plan.set_size if partial_sets(plan) else plan.segment_length // plan.dilation_rate
+    return -(-slots // rows)
+
+
 RUN_LENGTHS = (64, 32, 16, 8)  # boxes of at least 8 rows keep the 128-byte swizzle's alignment
 
 
@@ -277,11 +286,6 @@ def _sets_unsupported(q, k, v, plan) -> str | None:
     partial = partial_sets(plan)
     if partial and plan.is_strided:
         return "partial sets in the identity order (N % w != 0): their positions are not gathered"
-    if partial and plan.hilbert is None:
-        # the gather of partial sets is checked on the GPU for one row's and packed rows' plans
-        # (which name their order); a ring shard's plans keep the Triton kernels they were
-        # measured with until the ring is checked on several GPUs with it
-        return "partial sets of a ring shard's plan"
     if plan.num_segments > 65535 or q.shape[0] * q.shape[1] > 65535:
         return "grid too large (segments or batch * heads over 65535)"
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -319,9 +323,9 @@ def prepare(q, k, v, plan, positions, *, is_causal: bool, scale: float, first: b
     b, hq, n, d = q.shape
     w, r = plan.segment_length, plan.dilation_rate
     tiles = _TILES[d]
-    grid = ((w // r) // CTA_ROWS, plan.num_segments, b * hq)
     run = plan_run(plan)
     partial = partial_sets(plan)
+    grid = (set_tiles(plan, CTA_ROWS), plan.num_segments, b * hq)
     counts = plan_tensors(plan, q.device)[1]
     if (plan.is_strided or run) and not partial:
         tensors, coords = [], []

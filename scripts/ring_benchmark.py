@@ -441,6 +441,9 @@ def table_md(res, check_rows, meta) -> str:
              f"{meta.get('elapsed_s', '?')} s; args: {' '.join(meta.get('argv', []))}", ""]
     for e in meta.get("errors", []):
         lines += [f"**ERROR** {e}", ""]
+    if meta.get("kernels"):
+        lines += ["Kernels that ran on rank 0 (per branch, pass and reason):", "",
+                  *[f"- {k}" for k in meta["kernels"]], ""]
     if check_rows:
         lines += ["## Correctness: ring on P GPUs vs the single-device op on one GPU", "",
                   f"ring and single-device op with lowering "
@@ -517,6 +520,9 @@ def main(args):
         if rank != 0:
             return
         meta["elapsed_s"] = round(time.time() - t_start, 1)
+        if DEV == "cuda":
+            from hilbert_fx.lowering import gluon_forward
+            meta["kernels"] = gluon_forward.kernel_choices()
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "ring_benchmark.md"), "w") as f:
             f.write(table_md(state["weak"], state["check"], meta))
@@ -552,6 +558,9 @@ def main(args):
     if rank == 0:
         print(table_md(state["weak"], state["check"], meta), flush=True)
         print(f"total {time.time() - t_start:.1f} s; results in {args.out}", flush=True)
+    failed = meta["errors"] or any(not r["ok"] for r in state["check"])
+    if failed:  # a check that failed fails the run, on every rank
+        raise SystemExit(f"rank {rank}: ring check failed ({len(meta['errors'])} errors)")
 
 
 def _init_and_run(local_rank, world, port, argv):
