@@ -4,11 +4,14 @@
 
 Weak-scaling configuration of scripts/ring_benchmark.py (--tokens-per-gpu per GPU, its default
 branches, bf16, H=16, D=128, Hilbert on), non-causal and causal, forward and forward+backward,
-calls issued back to back. Rank 0 writes OUT/ring_profile.txt: per mode the GPU time per call
-(events), the host time per call, the kernels per call grouped by name (count and microseconds)
-and how much of the GPU time no kernel ran on the compute stream. Use it when the ring's
-efficiency drops: it separates the kernels' time from the time the GPU waits for messages or
-for the host.
+calls issued back to back. Each rank writes OUT/ring_profile_rank<i>.txt (rank 0's and the last
+rank's are printed): per mode the GPU time per call (events), the host time per call, the time of
+a call timed alone (ranks lined up, synchronised before and after; the median), the host time
+of the ring's phases (agreement, transport, the lowering's calls, merge), the kernels per call
+grouped by name (count and microseconds) and how much of the GPU time no kernel ran on the
+compute stream. Under causal masking the ranks' work differs: read the last rank's too. Use it
+when the ring's efficiency drops: it separates the kernels' time from the time the GPU waits for
+messages or for the host.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import argparse
 import collections
 import datetime
 import os
+import statistics
 import sys
 import time
 
@@ -80,8 +84,7 @@ def run(rank, world, port, args):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ring_benchmark import default_branches
     from hilbert_fx.lowering.ring import ring_dilated_attention
-    if args.trace:
-        _label_phases()
+    _label_phases()
     n = args.tokens_per_gpu
     segs, rates = default_branches(n, world)
     g = torch.Generator(device="cuda").manual_seed(rank)
@@ -115,6 +118,14 @@ def run(rank, world, port, args):
             end.record()
             torch.cuda.synchronize()
             gpu_ms = start.elapsed_time(end) / args.iters
+            alone = []
+            for _ in range(args.iters):
+                torch.cuda.synchronize()
+                dist.barrier()
+                t0 = time.perf_counter()
+                call(causal, backward)
+                torch.cuda.synchronize()
+                alone.append((time.perf_counter() - t0) * 1000)
             dist.barrier()
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -131,8 +142,6 @@ def run(rank, world, port, args):
                     args.out, f"trace_rank{rank}_{'causal' if causal else 'full'}_"
                               f"{'fwdbwd' if backward else 'fwd'}.json"))
                 dist.barrier()
-            if rank != 0:
-                continue
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             count, micros = collections.Counter(), collections.Counter()
             for e in kernels:
@@ -143,16 +152,25 @@ def run(rank, world, port, args):
             lines.append(f"\n{mode}: GPU {gpu_ms:.3f} ms per call, host {host_ms:.3f} ms per call, "
                          f"compute kernels {busy:.3f} ms per call (GPU idle or waiting "
                          f"{gpu_ms - busy:.3f} ms), {sum(count.values()) / args.iters:.0f} "
-                         f"kernels per call")
+                         f"kernels per call; a call timed alone {statistics.median(alone):.3f} "
+                         f"ms")
+            phases = collections.Counter()
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("ring: "):
+                    phases[e.name] += e.cpu_time_total
+            for name, us in sorted(phases.items(), key=lambda x: -x[1]):
+                lines.append(f"  host {name:57s} {us / args.iters:9.1f} us")
             for key, us in micros.most_common():
                 lines.append(f"  {key:62s} {count[key] / args.iters:6.1f} per call "
                              f"{us / args.iters:9.1f} us")
-    if rank == 0:
-        text = "\n".join(lines)
-        print(text, flush=True)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "ring_profile.txt"), "w") as f:
-            f.write(text + "\n")
+    text = "\n".join([f"rank {rank}:"] + lines)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"ring_profile_rank{rank}.txt"), "w") as f:
+        f.write(text + "\n")
+    for r in sorted({0, world - 1}):
+        dist.barrier()
+        if rank == r:
+            print(text, flush=True)
     dist.destroy_process_group()
 
 
