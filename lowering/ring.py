@@ -62,7 +62,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import block_attention, ring_agree, ring_transport, sdpa_lowering
+from . import block_attention, ring_agree, ring_transport, sdpa_lowering, triton_rows
 from .arguments import check_branches, check_flags, check_lowering, problem, resolve_lowering
 from .autocast import register_autocast
 from .dropout import new_seed
@@ -193,9 +193,18 @@ class _Extended:
         return torch.where(first, g[:, self.plan.recv_heads, self.plan.recv_ext].to(wide), 0.0)
 
 
+_FOLDED: dict = {}  # id(plan) -> (plan, its _Folded): its index tensors are made once
+
+
 def _layout(plan: RingPlan, q: Tensor, k: Tensor, dropout_p: float):
-    return (_Folded(plan) if dropout_p == 0.0 and plan.folded is not None
-            else _Extended(plan, q.shape[1], k.shape[1]))
+    if dropout_p == 0.0 and plan.folded is not None:
+        hit = _FOLDED.get(id(plan))
+        if hit is None or hit[0] is not plan:
+            if len(_FOLDED) >= 64:
+                _FOLDED.clear()
+            hit = _FOLDED[id(plan)] = (plan, _Folded(plan))
+        return hit[1]
+    return _Extended(plan, q.shape[1], k.shape[1])
 
 
 def _cross(lower, plan: RingPlan, layout, dropout_p: float) -> dict:
@@ -214,6 +223,9 @@ def _merge_rows(out: Tensor, lse: Tensor, index: Tensor, o: Tensor, lse_o: Tenso
     out is taken as 0 (a lowering may leave anything there)."""
     wide = lse.dtype
     out_f, lse_f = _flat(out), _flat(lse)
+    if triton_rows.usable(out_f, lse_f, o, lse_o):  # one launch instead of some twenty
+        triton_rows.merge_rows_(out_f, lse_f, index, o, lse_o)
+        return
     l1 = lse_f[:, index]
     o1 = out_f[:, index].to(wide).masked_fill((l1 == NEG_INF).unsqueeze(-1), 0.0)
     lse_o = lse_o.to(wide)
@@ -225,6 +237,9 @@ def _merge_rows(out: Tensor, lse: Tensor, index: Tensor, o: Tensor, lse_o: Tenso
 def _accumulate(x: Tensor, index: Tensor, delta: Tensor, wide: torch.dtype) -> None:
     """x viewed [B, H*n, ...] += delta at rows `index` (distinct), added in wide."""
     x_f = _flat(x)
+    if wide == torch.float32 and triton_rows.usable(x_f, delta):
+        triton_rows.add_rows_(x_f, index, delta)
+        return
     x_f[:, index] = (x_f[:, index].to(wide) + delta.to(wide)).to(x.dtype)
 
 

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -87,6 +88,7 @@ class Step:
     recv_rows: int  # M_recv
     recv_offset: int  # where its rows start among all the rows received (steps in order)
     grad_slot: torch.Tensor  # [M_send] index of each sent row in RingPlan.grad_rows
+    send_flat: Optional[torch.Tensor] = None  # [M_send] send_heads * n + send_rows
 
     @property
     def send_count(self) -> int:
@@ -387,7 +389,8 @@ def _build(seq_len: int, world: int, rank: int, segment_lengths, dilation_rates,
     def mv(x):
         return x.to(device)
     steps = [Step(s.offset, s.send_to, mv(s.send_heads), mv(s.send_rows), s.recv_from,
-                  s.recv_rows, s.recv_offset, mv(s.grad_slot)) for s in steps]
+                  s.recv_rows, s.recv_offset, mv(s.grad_slot), mv(s.send_heads * n + s.send_rows))
+             for s in steps]
     return RingPlan(
         world, rank, n, seq_len, num_heads, num_kv_heads, steps, recv_offset, tuple(local_plans),
         tuple(cross_plans), mv(torch.arange(lo, hi)), mv(cross_rows),

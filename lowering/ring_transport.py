@@ -64,23 +64,40 @@ def _split(buf: Tensor, batch: int, rows: int, dk: int, dv: int):
     return buf[:nk].view(batch, rows, dk), buf[nk:].view(batch, rows, dv)
 
 
-def post_rows(plan: RingPlan, group, k: Tensor, v: Tensor, phase: str, tag: int) -> list:
-    """Posts every step's send and receive of key/value rows; returns [(works, receive buffer
-    or None)] per step."""
+def _payload(step, k: Tensor, v: Tensor) -> Tensor:
+    """The rows a step sends: its rows of k, then those of v, gathered straight into one buffer
+    where k and v are contiguous (two index_selects; advanced indexing and a cat cost the host
+    several times that)."""
     b, dk, dv = k.shape[0], k.shape[-1], v.shape[-1]
-    posted = []
+    if step.send_flat is None or not (k.is_contiguous() and v.is_contiguous()):
+        return torch.cat([k[:, step.send_heads, step.send_rows].reshape(-1),
+                          v[:, step.send_heads, step.send_rows].reshape(-1)])
+    m = step.send_count
+    payload = k.new_empty(b * m * (dk + dv))
+    nk = b * m * dk
+    torch.index_select(k.view(b, -1, dk), 1, step.send_flat, out=payload[:nk].view(b, m, dk))
+    torch.index_select(v.view(b, -1, dv), 1, step.send_flat, out=payload[nk:].view(b, m, dv))
+    return payload
+
+
+def post_rows(plan: RingPlan, group, k: Tensor, v: Tensor, phase: str, tag: int) -> list:
+    """Posts every step's send and receive of key/value rows, all in one batch (one NCCL group);
+    returns [(works, receive buffer or None)] per step (the works are the batch's, with the
+    first step that has any)."""
+    b, dk, dv = k.shape[0], k.shape[-1], v.shape[-1]
+    ops, recvs = [], []
     for step in plan.steps:
-        ops, recv = [], None
+        recv = None
         if step.send_count:
-            payload = torch.cat([k[:, step.send_heads, step.send_rows].reshape(-1),
-                                 v[:, step.send_heads, step.send_rows].reshape(-1)])
+            payload = _payload(step, k, v)
             ops.append(dist.P2POp(dist.isend, payload, _peer(group, step.send_to), group, tag))
             _STATS[f"{phase}_bytes"] += payload.numel() * payload.element_size()
         if step.recv_rows:
             recv = k.new_empty(b * step.recv_rows * (dk + dv))
             ops.append(dist.P2POp(dist.irecv, recv, _peer(group, step.recv_from), group, tag))
-        posted.append((dist.batch_isend_irecv(ops) if ops else [], recv))
-    return posted
+        recvs.append(recv)
+    works = dist.batch_isend_irecv(ops) if ops else []
+    return [(works if i == 0 else [], recv) for i, recv in enumerate(recvs)]
 
 
 def received_rows(plan: RingPlan, posted, batch: int, dk: int, dv: int):

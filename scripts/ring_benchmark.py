@@ -135,8 +135,10 @@ PIPELINED = False  # --timing pipelined
 def timed(fn, warmup: int, iters: int, group=None) -> float:
     """Median milliseconds per call on this rank, after a barrier; max over the group's ranks.
 
-    --timing sync (default): each call timed alone, the GPU idle before it, so the host's work
-    per call (Python, the ranks' agreement through the store) counts in full. --timing
+    --timing sync (default): each call timed alone, the GPU idle and the ranks lined up (a
+    barrier) before it, so the host's work per call (Python, the ranks' agreement through the
+    store) counts in full, and a rank that finished its previous call first does not count the
+    others' lag as its own call's time. --timing
     pipelined: the mean over `iters` calls issued back to back, as in a training step, where
     the host runs ahead of the GPU and its work per call hides behind the kernels."""
     for _ in range(warmup):
@@ -157,6 +159,10 @@ def timed(fn, warmup: int, iters: int, group=None) -> float:
         return float(t)
     times = []
     for _ in range(iters):
+        if group is not None:
+            sync()
+            dist.barrier(group=group)
+            sync()
         if DEV == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

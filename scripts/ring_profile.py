@@ -142,7 +142,9 @@ def run(rank, world, port, args):
                     args.out, f"trace_rank{rank}_{'causal' if causal else 'full'}_"
                               f"{'fwdbwd' if backward else 'fwd'}.json"))
                 dist.barrier()
-            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            # the phases' labels show on the GPU's timeline too: they are no kernels
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                       and not e.name.startswith("ring: ")]
             count, micros = collections.Counter(), collections.Counter()
             for e in kernels:
                 key = group_of(e.name)
