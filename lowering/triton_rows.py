@@ -35,11 +35,12 @@ def _kernels():
     def merge_kernel(Out, Lse, Index, O, LseO, T, D,
                      so_b, so_r, sl_b, sl_r, sx_b, sx_r, sy_b, sy_r,
                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-        b = tl.program_id(1)
+        b = tl.program_id(1).to(tl.int64)  # b * the batch stride passes 2**31 at B * H * n * D
         i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         d = tl.arange(0, BLOCK_D)
         live = i < T
         row = tl.load(Index + i, mask=live, other=0).to(tl.int64)
+        i = i.to(tl.int64)
         cols = live[:, None] & (d[None, :] < D)
         l1 = tl.load(Lse + b * sl_b + row * sl_r, mask=live, other=float("-inf")).to(tl.float32)
         l2 = tl.load(LseO + b * sy_b + i * sy_r, mask=live, other=float("-inf")).to(tl.float32)
@@ -66,11 +67,12 @@ def _kernels():
     @triton.jit
     def add_kernel(X, Index, Delta, T, D, sx_b, sx_r, sd_b, sd_r,
                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-        b = tl.program_id(1)
+        b = tl.program_id(1).to(tl.int64)  # b * the batch stride passes 2**31 at B * H * n * D
         i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         d = tl.arange(0, BLOCK_D)
         live = i < T
         row = tl.load(Index + i, mask=live, other=0).to(tl.int64)
+        i = i.to(tl.int64)
         cols = live[:, None] & (d[None, :] < D)
         x = tl.load(X + b * sx_b + row[:, None] * sx_r + d[None, :], mask=cols, other=0.0)
         y = tl.load(Delta + b * sd_b + i[:, None] * sd_r + d[None, :], mask=cols, other=0.0)
