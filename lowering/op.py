@@ -521,7 +521,10 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
     cu_seqlens [S + 1]: FlashAttention's cumulative lengths over the B * Nk rows read one after
     the other, the rows past its last entry padding; seqused_k [B]: row b's keys are k's rows
     [0, seqused_k[b]). q shorter than k (or seqused_k given) holds the last tokens of each
-    row's sequence, continuing a cache: is_causal=True then."""
+    row's sequence, continuing a cache: is_causal=True then. Called eagerly with cu_seqlens,
+    the plans are sized by its length and built without reading anything from the GPU (so the
+    call can be captured in a CUDA graph); cu_seqlens on the CPU is checked, on a GPU it is
+    taken as FlashAttention takes it."""
     if mesh is not None:  # checked there so that every rank of the mesh raises, none hangs
         from .ring import dilated_attention_on_mesh
         for name, t in (("position_ids", position_ids), ("cu_seqlens", cu_seqlens),
@@ -539,7 +542,10 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
     segment_lengths, dilation_rates, hilbert, is_causal, scale, resolved = checked
     seed = new_seed(q.device) if dropout_p > 0.0 else None
     b, nk = q.shape[0], k.shape[2]
-    if cu_seqlens is not None:
+    if cu_seqlens is not None and _eager(q, k, v, attn_mask, cu_seqlens):
+        # built without reading anything on the GPU (the plans sized by cu_seqlens' length)
+        position_ids = sequences.positions_with_bound(cu_seqlens, b, nk, q.device)
+    elif cu_seqlens is not None:  # traced: the custom op builds the plans (one read per batch)
         position_ids = sequences.positions_from_cu_seqlens(cu_seqlens.to(q.device), b, nk)
     if position_ids is not None:
         position_ids = position_ids.to(device=q.device, dtype=torch.int64).reshape(-1, nk)

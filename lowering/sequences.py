@@ -58,42 +58,110 @@ def _broken(positions: Tensor) -> Tensor:
     return (rows > 0) & (prev != rows - 1)
 
 
-def sequence_plans(positions: Tensor, segment_lengths, dilation_rates, hilbert: bool) -> list[BranchPlan]:
+def sequence_plans(positions: Tensor, segment_lengths, dilation_rates, hilbert: bool,
+                   bound: Optional["Bound"] = None) -> list[BranchPlan]:
     """The branch plans of rows whose tokens have `positions` [B, N] (negative: padding), over
     the B * N tokens as one row (row b's token i is token b * N + i).
 
     Token t at position p lies in segment p // w of its sequence (the tokens since the last
     position 0 of its batch row, padding skipped); its in-segment position p % w decides its
-    offset class and its place in the class (plans.class_of), so the sets come from one scatter. The number of segments is read on the host (one
-    synchronisation per call, with the check of the positions): the plans' tensors are sized by it."""
+    offset class and its place in the class (plans.class_of), so the sets come from one
+    scatter. The plans' tensors are sized by the number of segments: read on the host (one
+    synchronisation, with the check of the positions), or, given a `Bound` (positions read
+    from cu_seqlens, whose length bounds the number of sequences), N // w + sequences per
+    branch with no read at all; the segments past the real ones are empty sets."""
     flat = positions.reshape(-1).to(torch.int64)
     total = flat.numel()
     device = flat.device
     tokens = torch.arange(total, device=device)
     valid = flat >= 0
-    broken = _broken(positions)
     p = flat.clamp(min=0)
     starts = [valid & (p % w == 0) for w in segment_lengths]
-    counts = torch.stack([broken.sum(), valid.all().to(torch.int64)] + [s.sum() for s in starts])
-    bad, complete, *num_segments = counts.tolist()
-    if bad:
-        raise ValueError(
-            "position_ids (or cu_seqlens, read as positions) must count 0, 1, 2, ... along each "
-            "sequence: a sequence starts at position 0 and does not cross a batch row; negative "
-            "positions are padding, skipped where they fall between a sequence's tokens")
+    if bound is None:
+        broken = _broken(positions)
+        counts = torch.stack([broken.sum(), valid.all().to(torch.int64)] + [s.sum() for s in starts])
+        bad, complete, *num_segments = counts.tolist()
+        if bad:
+            raise ValueError(
+                "position_ids (or cu_seqlens, read as positions) must count 0, 1, 2, ... along "
+                "each sequence: a sequence starts at position 0 and does not cross a batch row; "
+                "negative positions are padding, skipped where they fall between a sequence's "
+                "tokens")
+    else:
+        complete = bound.complete
+        num_segments = [total // w + bound.sequences for w in segment_lengths]
     plans = []
     for w, r, start, s in zip(segment_lengths, dilation_rates, starts, num_segments):
         table = tables(w, r, hilbert, device)[1]
         cls, slot = table[0, p % w], table[1, p % w]
         segment = torch.cumsum(start, 0) - 1
-        segment = torch.where(valid, segment, s)  # padding goes to a spare set, dropped below
+        # padding goes to a spare set, dropped below; so would whatever positions not from a
+        # checked cu_seqlens put past the bound (garbage in, garbage out, but no read outside)
+        segment = torch.where(valid & (segment >= 0) & (segment < s), segment, s)
         pos = torch.full((r, s + 1, w // r), total, dtype=torch.int64, device=device)
         pos.index_put_((cls, segment, slot), tokens)
         cnt = torch.zeros(r, s + 1, dtype=torch.int64, device=device)
         cnt.index_put_((cls, segment), torch.ones_like(tokens), accumulate=True)
+        if bound is not None:
+            cnt.clamp_(max=w // r)
         plans.append(BranchPlan(w, r, total, pos[:, :s].contiguous(), cnt[:, :s].contiguous(),
                                 strided=False, complete=bool(complete), hilbert=bool(hilbert)))
     return plans
+
+
+@dataclass(frozen=True)
+class Bound:
+    """What cu_seqlens says of its positions without reading them: at most `sequences`
+    sequences; `complete`: no padding (False when not known)."""
+    sequences: int
+    complete: bool = False
+
+
+# Positions read from a cu_seqlens tensor, with their Bound, per cu_seqlens tensor (weakly, as
+# long as it is not written to): a model's layers pass the same one.
+_from_cu: dict = {}
+_bounds: dict = {}  # id(positions) -> (weakref to positions, Bound)
+
+
+def positions_with_bound(cu_seqlens: Tensor, batch: int, n: int, device) -> Tensor:
+    """positions_from_cu_seqlens on `device`, made once per cu_seqlens tensor, and noted with
+    their Bound so that plans_of builds their plans without reading anything on the host.
+    cu_seqlens on the CPU is checked here (ValueError naming it); on a GPU it is taken as
+    FlashAttention takes it (a check would wait for the GPU)."""
+    key = (id(cu_seqlens), cu_seqlens._version, batch, n, str(torch.device(device)))
+    hit = _from_cu.get(key)
+    if hit is not None and hit[0]() is cu_seqlens:
+        return hit[1]
+    complete = False
+    if cu_seqlens.device.type == "cpu":
+        complete = _check_cu_seqlens(cu_seqlens, batch, n)
+    positions = positions_from_cu_seqlens(cu_seqlens.to(device), batch, n)
+    root = positions._base if positions._base is not None else positions  # what plans_of keys
+    _bounds[id(root)] = (weakref.ref(root), Bound(cu_seqlens.numel() - 1, complete))
+    weakref.finalize(root, _bounds.pop, id(root), None)
+    _from_cu[key] = (weakref.ref(cu_seqlens), positions)
+    weakref.finalize(cu_seqlens, _from_cu.pop, key, None)
+    return positions
+
+
+def _check_cu_seqlens(cu_seqlens: Tensor, batch: int, n: int) -> bool:
+    """Raises ValueError unless cu_seqlens [S + 1] rises from 0 to at most B * N without a
+    sequence crossing a batch row; returns whether it covers every row (no padding)."""
+    cu = cu_seqlens.to(torch.int64)
+    if cu[0] != 0 or bool((cu[1:] < cu[:-1]).any()) or cu[-1] > batch * n:
+        raise ValueError(f"cu_seqlens must rise from 0 to at most B * N = {batch * n} "
+                         f"(cumulative lengths), got {cu.tolist()}")
+    lengths = cu[1:] - cu[:-1]
+    first, last = cu[:-1] // n, (cu[1:] - 1) // n
+    if bool(((lengths > 0) & (first != last)).any()):
+        raise ValueError(f"cu_seqlens: a sequence crosses a batch row of N = {n} tokens (each "
+                         f"sequence lies within one row), got {cu.tolist()}")
+    return int(cu[-1]) == batch * n
+
+
+def _bound_of(root: Tensor) -> Optional[Bound]:
+    hit = _bounds.get(id(root))
+    return hit[1] if hit is not None and hit[0]() is root else None
 
 
 # Plans per position tensor, as long as it lives and is not written to: the layers of a model
@@ -115,7 +183,8 @@ def plans_of(positions: Tensor, segment_lengths, dilation_rates, hilbert: bool) 
     hit = _plans.get(key)
     if hit is not None and hit[0]() is root:
         return hit[1]
-    plans = sequence_plans(positions, segment_lengths, dilation_rates, hilbert)
+    bound = _bound_of(root) if version == 0 else None
+    plans = sequence_plans(positions, segment_lengths, dilation_rates, hilbert, bound)
     _plans[key] = (weakref.ref(root), plans)
     weakref.finalize(root, _plans.pop, key, None)
     return plans

@@ -591,6 +591,40 @@ def test_all_padding_batch(lowering):
         f"rc={res.returncode}\nstdout: {res.stdout[-2000:]}\nstderr: {res.stderr[-2000:]}"
 
 
+@pytest.mark.parametrize("layout", list(CU_LAYOUTS))
+def test_cu_seqlens_plans_read_nothing_on_the_host(layout, monkeypatch):
+    """Plans of cu_seqlens are sized by its length (N // w + sequences segments per branch) and
+    built without a host read, which on a GPU would wait for it; they hold the same sets as the
+    plans sized by the segments counted on the host, then empty sets."""
+    from hilbert_fx.lowering import sequences
+    cu = cu_seqlens_of(CU_LAYOUTS[layout], N)
+    positions = sequences.positions_with_bound(cu, 2, N, "cpu")
+    assert sequences.positions_with_bound(cu, 2, N, "cpu") is positions  # once per tensor
+    segs, rates = (4, 8), (1, 2)
+    counted = sequences.sequence_plans(positions, segs, rates, True)
+    sequences.tables(4, 1, True, "cpu"), sequences.tables(8, 2, True, "cpu")
+
+    def read(*args, **kwargs):
+        raise AssertionError("a host read while building the plans of cu_seqlens")
+    for name in ("tolist", "item", "__bool__", "__int__", "__index__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, read)
+    bounded = sequences.plans_of(positions.expand(2, N), segs, rates, True)
+    monkeypatch.undo()
+    for a, b in zip(counted, bounded):
+        s = a.num_segments
+        assert b.num_segments == 2 * N // a.segment_length + cu.numel() - 1 >= s
+        assert torch.equal(b.positions[:, :s], a.positions)
+        assert torch.equal(b.counts[:, :s], a.counts) and not b.counts[:, s:].any()
+        assert b.complete == (int(cu[-1]) == 2 * N) == a.complete
+
+
+@pytest.mark.parametrize("cu", [[1, 5, 13], [0, 9, 5, 13], [0, 13, 27], [0, 4, 17, 26]],
+                         ids=["not_from_0", "falling", "past_the_rows", "across_rows"])
+def test_error_cu_seqlens_values_name_it(cu):
+    q, k, v = _qkv(B=2, Nq=N, Nk=N)
+    _raises("cu_seqlens", q, k, v, cu_seqlens=torch.tensor(cu))
+
+
 # ----------------------------------------------------------------------------- Triton
 
 TRITON_CASES = {  # few and small: the kernels run under the interpreter on CPU
