@@ -128,7 +128,10 @@ def positions_with_bound(cu_seqlens: Tensor, batch: int, n: int, device) -> Tens
     their Bound so that plans_of builds their plans without reading anything on the host.
     cu_seqlens on the CPU is checked here (ValueError naming it); on a GPU it is taken as
     FlashAttention takes it (a check would wait for the GPU)."""
-    key = (id(cu_seqlens), cu_seqlens._version, batch, n, str(torch.device(device)))
+    try:
+        key = (id(cu_seqlens), cu_seqlens._version, batch, n, str(torch.device(device)))
+    except RuntimeError:  # inference tensors count no versions: made again each call
+        key = None
     hit = _from_cu.get(key)
     if hit is not None and hit[0]() is cu_seqlens:
         return hit[1]
@@ -139,8 +142,9 @@ def positions_with_bound(cu_seqlens: Tensor, batch: int, n: int, device) -> Tens
     root = positions._base if positions._base is not None else positions  # what plans_of keys
     _bounds[id(root)] = (weakref.ref(root), Bound(cu_seqlens.numel() - 1, complete))
     weakref.finalize(root, _bounds.pop, id(root), None)
-    _from_cu[key] = (weakref.ref(cu_seqlens), positions)
-    weakref.finalize(cu_seqlens, _from_cu.pop, key, None)
+    if key is not None:
+        _from_cu[key] = (weakref.ref(cu_seqlens), positions)
+        weakref.finalize(cu_seqlens, _from_cu.pop, key, None)
     return positions
 
 
@@ -177,7 +181,8 @@ def plans_of(positions: Tensor, segment_lengths, dilation_rates, hilbert: bool) 
     try:
         version = root._version
     except RuntimeError:  # inference tensors count no versions: nothing proves them unchanged
-        return sequence_plans(positions, segment_lengths, dilation_rates, hilbert)
+        return sequence_plans(positions, segment_lengths, dilation_rates, hilbert,
+                              _bound_of(root))
     key = (id(root), version, positions.storage_offset(), tuple(positions.shape),
            tuple(positions.stride()), tuple(segment_lengths), tuple(dilation_rates), bool(hilbert))
     hit = _plans.get(key)

@@ -618,6 +618,21 @@ def test_cu_seqlens_plans_read_nothing_on_the_host(layout, monkeypatch):
         assert b.complete == (int(cu[-1]) == 2 * N) == a.complete
 
 
+def test_cu_seqlens_under_inference_mode():
+    """Inference tensors count no versions: the positions of cu_seqlens are then made again
+    each call (no cache), still without a host read for the plans."""
+    cu = cu_seqlens_of(CU_LAYOUTS["ragged"], N)
+    pos = position_ids_of(CU_LAYOUTS["ragged"], N)
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(2, 2, N, 4, dtype=torch.float64) for _ in range(3))
+    with torch.inference_mode():
+        out = hilbert_fx.dilated_attention(q.clone(), k.clone(), v.clone(), *BR_B, hilbert=True,
+                                           is_causal=True, cu_seqlens=cu.clone(),
+                                           lowering="sdpa")
+    ref = reference_sequences(q, k, v, *BR_B, hilbert=True, is_causal=True, position_ids=pos)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+
+
 @pytest.mark.parametrize("cu", [[1, 5, 13], [0, 9, 5, 13], [0, 13, 27], [0, 4, 17, 26]],
                          ids=["not_from_0", "falling", "past_the_rows", "across_rows"])
 def test_error_cu_seqlens_values_name_it(cu):
