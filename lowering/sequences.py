@@ -120,7 +120,7 @@ class Bound:
 # Positions read from a cu_seqlens tensor, with their Bound, per cu_seqlens tensor (weakly, as
 # long as it is not written to): a model's layers pass the same one.
 _from_cu: dict = {}
-_bounds: dict = {}  # id(positions) -> (weakref to positions, Bound)
+_bounds: dict = {}  # id(positions' base) -> (weakref to it, Bound): the tensor plans_of keys
 
 
 def positions_with_bound(cu_seqlens: Tensor, batch: int, n: int, device) -> Tensor:
