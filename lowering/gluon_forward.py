@@ -16,15 +16,15 @@ sets (N % w == 0, no padding row: plan.complete) reached by strides (the identit
 r == 1 in any order) are read by TMA, and so are the Hilbert order's sets made of runs of stride
 r (`plan_run`: its r = 2 sets); its others by cp.async through the plan's positions. Partial
 sets (`partial_sets`: packed documents, padding, N % w != 0 in the Hilbert order) are gathered
-by cp.async too, each set's count read by the kernel; in the identity order, and in a ring
-shard's plans (not yet checked on several GPUs with this path), they run the Triton kernels.
+by cp.async too, each set's count read by the kernel (a ring shard's sets among them); in the
+identity order they run the Triton kernels.
 HILBERT_FX_GLUON=0 turns the Hopper kernels off, HILBERT_FX_GLUON_RUNS=0 the TMA copies of runs
 (both read once: lowering/tuning.py).
 
 Whether a plan qualifies is decided from its fields, without reading its counts on the host (a
 synchronisation with the GPU). A qualifying plan's runs (`plan_run`) come from its order's table
 on the host (plans.class_members) when the plan names its order, as the plans of one row and of
-packed rows do; another (a ring's) has its positions read, once per plan object.
+packed rows do; another has its positions read, once per plan object.
 """
 from __future__ import annotations
 

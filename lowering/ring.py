@@ -127,8 +127,7 @@ class _Folded:
         f = plan.folded
         self.plans, self.t, self.length = list(f.plans), f.queries, f.length
         self.q_index, self.kv_unique, self.kv_inverse = f.q_index, f.kv_unique, f.kv_inverse
-        self.recv_index = f.recv_index
-        self.kv_index = f.kv_unique[f.kv_inverse]
+        self.recv_index, self.kv_index = f.recv_index, f.kv_index
 
     def queries(self, x: Tensor, fill: float = 0.0) -> Tensor:
         """[B, 1, R, ...]: x's (head, row) pairs, then `fill` for the received rows."""
@@ -193,18 +192,9 @@ class _Extended:
         return torch.where(first, g[:, self.plan.recv_heads, self.plan.recv_ext].to(wide), 0.0)
 
 
-_FOLDED: dict = {}  # id(plan) -> (plan, its _Folded): its index tensors are made once
-
-
 def _layout(plan: RingPlan, q: Tensor, k: Tensor, dropout_p: float):
-    if dropout_p == 0.0 and plan.folded is not None:
-        hit = _FOLDED.get(id(plan))
-        if hit is None or hit[0] is not plan:
-            if len(_FOLDED) >= 64:
-                _FOLDED.clear()
-            hit = _FOLDED[id(plan)] = (plan, _Folded(plan))
-        return hit[1]
-    return _Extended(plan, q.shape[1], k.shape[1])
+    return (_Folded(plan) if dropout_p == 0.0 and plan.folded is not None
+            else _Extended(plan, q.shape[1], k.shape[1]))
 
 
 def _cross(lower, plan: RingPlan, layout, dropout_p: float) -> dict:

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -88,7 +87,7 @@ class Step:
     recv_rows: int  # M_recv
     recv_offset: int  # where its rows start among all the rows received (steps in order)
     grad_slot: torch.Tensor  # [M_send] index of each sent row in RingPlan.grad_rows
-    send_flat: Optional[torch.Tensor] = None  # [M_send] send_heads * n + send_rows
+    send_flat: torch.Tensor  # [M_send] send_heads * n + send_rows: rows of k, v viewed [B, Hkv*n]
 
     @property
     def send_count(self) -> int:
@@ -160,6 +159,7 @@ class Folded:
     kv_inverse: torch.Tensor  # [R_loc]
     recv_index: torch.Tensor  # [R - R_loc] the received row (steps in order) of each such row
     plans: tuple  # BranchPlans over the R rows, one per branch with sets across ranks
+    kv_index: torch.Tensor  # [R_loc] kv_unique[kv_inverse]: each local row's key/value row
 
 
 @dataclass
@@ -339,8 +339,9 @@ def _build(seq_len: int, world: int, rank: int, segment_lengths, dilation_rates,
             recv_heads.append(torch.full((cnt,), c, dtype=torch.long))
             senders.setdefault((b, cr.j, o), set()).add(src)
             total += cnt
-        steps.append(Step(s, dst, _cat(send_heads), _cat(send_rows), src, total, recv_offset,
-                          _longs()))
+        heads, rows = _cat(send_heads), _cat(send_rows)
+        steps.append(Step(s, dst, heads, rows, src, total, recv_offset, _longs(),
+                          heads * n + rows))
         recv_offset += total
     recv_heads, recv_pos = _cat(recv_heads), _cat(recv_pos)
 
@@ -389,8 +390,7 @@ def _build(seq_len: int, world: int, rank: int, segment_lengths, dilation_rates,
     def mv(x):
         return x.to(device)
     steps = [Step(s.offset, s.send_to, mv(s.send_heads), mv(s.send_rows), s.recv_from,
-                  s.recv_rows, s.recv_offset, mv(s.grad_slot), mv(s.send_heads * n + s.send_rows))
-             for s in steps]
+                  s.recv_rows, s.recv_offset, mv(s.grad_slot), mv(s.send_flat)) for s in steps]
     return RingPlan(
         world, rank, n, seq_len, num_heads, num_kv_heads, steps, recv_offset, tuple(local_plans),
         tuple(cross_plans), mv(torch.arange(lo, hi)), mv(cross_rows),
@@ -440,7 +440,8 @@ def _folded(globs, members: dict, n: int, rank: int, num_heads: int, num_kv_head
     recv_index = starts[torch.searchsorted(uniq, wanted)]
     kv_unique, kv_inverse = torch.unique((loc_h // group) * n + loc_p, return_inverse=True)
     return Folded(length, t, (loc_h * n + loc_p).to(device), kv_unique.to(device),
-                  kv_inverse.to(device), recv_index.to(device), tuple(plans))
+                  kv_inverse.to(device), recv_index.to(device), tuple(plans),
+                  kv_unique[kv_inverse].to(device))
 
 
 def _cross_plan(glob: BranchPlan, sets: dict, ext_of, ext_len: int) -> BranchPlan:

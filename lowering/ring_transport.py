@@ -69,7 +69,7 @@ def _payload(step, k: Tensor, v: Tensor) -> Tensor:
     where k and v are contiguous (two index_selects; advanced indexing and a cat cost the host
     several times that)."""
     b, dk, dv = k.shape[0], k.shape[-1], v.shape[-1]
-    if step.send_flat is None or not (k.is_contiguous() and v.is_contiguous()):
+    if not (k.is_contiguous() and v.is_contiguous()):
         return torch.cat([k[:, step.send_heads, step.send_rows].reshape(-1),
                           v[:, step.send_heads, step.send_rows].reshape(-1)])
     m = step.send_count
