@@ -98,11 +98,9 @@ def rewrite_site(graph: fx.Graph, match: Match, config: DilatedConfig,
                 config.hilbert, bool(match.is_causal), mask_node, float(match.dropout_p), seed,
                 float(scale), lowering)
         if config.mesh is None:
-            op = OP
             if seq is not None:
                 args = args + (position_ids, seqused_k)
-                op = _sequence_op(q_node, k_node, position_ids, seqused_k)
-            call = graph.call_function(op, args)
+            call = graph.call_function(OP, args)
         else:  # the ring op: its collectives run over the mesh's process group
             from .lowering import ring  # noqa: F401  (registers the op)
             group_name = config.mesh.get_group().group_name
@@ -116,24 +114,6 @@ def rewrite_site(graph: fx.Graph, match: Match, config: DilatedConfig,
     match.output.replace_all_uses_with(out)
     graph.erase_node(match.output)
     return Decision("rewritten", "", lowering, config, inputs)
-
-
-def _sequence_op(q_node, k_node, position_ids, seqused_k):
-    """The op a site with sequence structure runs: dilated_attention_varlen (its plans read a
-    count on the host, so Inductor keeps such graphs out of CUDA graphs) unless its sizes are
-    known to take the decode path, which reads nothing on the host. Sizes known only at run time
-    take the varlen op: a CUDA graph must not meet a host read."""
-    from . import fx_vocab
-    from .lowering.op import op_for
-    sizes = [getattr(fx_vocab.example(n), "shape", None) for n in (q_node, k_node)]
-    if any(s is None for s in sizes):
-        return torch.ops.hilbert_fx.dilated_attention_varlen.default
-    nq, nk = sizes[0][2], sizes[1][2]
-    if not (isinstance(nq, int) and isinstance(nk, int)):
-        if isinstance(nq, int) and nq == 1:  # one query per row: decoding, whatever the cache
-            return OP
-        return torch.ops.hilbert_fx.dilated_attention_varlen.default
-    return op_for(nq, nk, position_ids is not None, seqused_k is not None)
 
 
 def remove_dead(graph: fx.Graph, freed: list, regions: set) -> None:

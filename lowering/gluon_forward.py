@@ -281,6 +281,8 @@ def _unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale) -> str | N
 def _sets_unsupported(q, k, v, plan) -> str | None:
     """Why the kernels cannot read this plan's sets from q, k, v as laid out, or None."""
     n, w, r = plan.seq_len, plan.segment_length, plan.dilation_rate
+    if getattr(plan, "groups", None) is not None:
+        return "several sequences' short segments in one set (groups: the Triton kernels mask them)"
     if (w // r) % CTA_ROWS:
         return f"w / r not a multiple of {CTA_ROWS}"
     partial = partial_sets(plan)

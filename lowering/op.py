@@ -367,28 +367,10 @@ def _refusing_second_backward(grads: tuple) -> tuple:
     return tuple(None if g is None else next(refusing) for g in grads)
 
 
+# One op for every call: the plans of packed rows, padding and caches are built on the device
+# from the position tensors (lowering/sequences.py), with nothing read on the host, so a CUDA
+# graph may capture any call.
 dilated_attention_op, dilated_attention_backward_op = _register("dilated_attention", ())
-# The same op for calls whose plans are built from position tensors (packed rows, and long chunks
-# of queries against a cache): building them reads a count on the host, which a CUDA graph
-# cannot capture, so Inductor runs graphs holding it without CUDA graphs (and says so) rather
-# than failing in the capture.
-_HOST_READ = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
-dilated_attention_varlen_op, dilated_attention_varlen_backward_op = _register(
-    "dilated_attention_varlen", _HOST_READ)
-
-
-def reads_host(nq: int, nk: int, has_position_ids: bool, has_seqused_k: bool) -> bool:
-    """Whether a call builds its plans from position tensors (dilated_attention_varlen)."""
-    if nq < nk or has_seqused_k:
-        return nq > sequences.DECODE_MAX_QUERIES
-    return has_position_ids
-
-
-def op_for(nq: int, nk: int, has_position_ids: bool, has_seqused_k: bool):
-    """The custom op a call with these sizes and structure arguments runs (what the pass emits)."""
-    if reads_host(nq, nk, has_position_ids, has_seqused_k):
-        return torch.ops.hilbert_fx.dilated_attention_varlen.default
-    return torch.ops.hilbert_fx.dilated_attention.default
 
 
 # The checks of a call, by everything they read (shapes, dtypes, devices, flags and numbers with
@@ -543,9 +525,9 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
     seed = new_seed(q.device) if dropout_p > 0.0 else None
     b, nk = q.shape[0], k.shape[2]
     if cu_seqlens is not None and _eager(q, k, v, attn_mask, cu_seqlens):
-        # built without reading anything on the GPU (the plans sized by cu_seqlens' length)
-        position_ids = sequences.positions_with_bound(cu_seqlens, b, nk, q.device)
-    elif cu_seqlens is not None:  # traced: the custom op builds the plans (one read per batch)
+        # made (and on the CPU checked) once per cu_seqlens tensor: a model's layers share them
+        position_ids = sequences.positions_of_cu_seqlens(cu_seqlens, b, nk, q.device)
+    elif cu_seqlens is not None:
         position_ids = sequences.positions_from_cu_seqlens(cu_seqlens.to(q.device), b, nk)
     if position_ids is not None:
         position_ids = position_ids.to(device=q.device, dtype=torch.int64).reshape(-1, nk)
@@ -558,6 +540,5 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segment_lengths, dilation
             seed, scale, resolved, position_ids, seqused_k)
     if _eager(q, k, v, attn_mask, position_ids, seqused_k):
         return _eager_call(q, k, v, args)
-    op = op_for(q.shape[2], nk, position_ids is not None, seqused_k is not None)
-    out, _ = op(q, k, v, *args)
+    out, _ = dilated_attention_op(q, k, v, *args)
     return out

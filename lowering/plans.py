@@ -10,8 +10,9 @@ plain lower triangle over the set.
 padded with N (a position that does not exist) past `counts[o, j]`.
 
 Plans of rows that hold several sequences or padding (SPEC section 5) have the same form and are
-built in lowering/sequences.py: there a set may be partial in any segment, and rows of padding
-are in no set (`complete` is False).
+built in lowering/sequences.py: there a set may be partial in any segment, rows of padding are
+in no set (`complete` is False), and a set may hold several segments' members as groups that
+do not see each other (`groups`).
 """
 from __future__ import annotations
 
@@ -77,6 +78,11 @@ class BranchPlan:
     # lets a lowering learn the sets' shape from this table on the host instead of reading
     # positions from the GPU (a synchronisation)
     hilbert: Optional[bool] = None
+    # [2, r, S, set_size] long, or None: member m of set (o, j) attends only to the members
+    # groups[0, o, j, m] <= m' < groups[1, o, j, m] of its set (its group, a run of slots).
+    # Several short segments then share one set, which bounds the number of sets by N
+    # (lowering/sequences.py); slots past the count hold -1. None: the whole set is one group.
+    groups: Optional[torch.Tensor] = None
 
     @property
     def num_segments(self) -> int:

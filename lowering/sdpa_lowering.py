@@ -37,6 +37,9 @@ class Block:
     q_index: torch.Tensor | None = None
     q_positions: torch.Tensor | None = None
     q_valid: torch.Tensor | None = None
+    # [H, S, L]: each member's group (the first slot of its run, BranchPlan.groups); members
+    # see only their own group's
+    groups: torch.Tensor | None = None
 
     @property
     def queries(self) -> torch.Tensor:
@@ -68,7 +71,9 @@ def blocks_of(plan: BranchPlan, num_heads: int, query_rows: int | None = None) -
 
 
 def _with_queries(block: Block, query_rows: int, n: int) -> Block | None:
-    """The block with its query members (rows < query_rows) apart; None when it has none."""
+    """The block with its query members (rows < query_rows) apart; None when it has none.
+    (The ring passes query_rows; it takes no rows of several sequences, so no groups here.)"""
+    assert block.groups is None, "query_rows with grouped sets"
     is_query = block.valid & (block.positions < query_rows)
     if bool((is_query == block.valid).all()):
         return block
@@ -87,9 +92,22 @@ def _make_blocks(plan: BranchPlan, num_heads: int) -> list[Block]:
     if plan.num_segments == 0:  # rows of padding only: no set, nothing to run
         return []
     positions = plan.for_heads(num_heads)
-    counts = plan.counts.index_select(
-        0, torch.arange(num_heads, device=positions.device) % plan.dilation_rate)
+    heads = torch.arange(num_heads, device=positions.device) % plan.dilation_rate
+    counts = plan.counts.index_select(0, heads)
     n = plan.seq_len
+    if not plan.complete and positions.device.type != "cpu":
+        # rows of several sequences on a GPU: one padded block, as built (reading the counts
+        # to cut it would wait for the GPU)
+        groups = None if plan.groups is None else plan.groups[0].index_select(0, heads)
+        return [Block(positions, positions < n, True, groups=groups)]
+    if plan.groups is not None:  # on the CPU: the sets that hold members, cut to the longest
+        used = (counts > 0).any(0).nonzero().view(-1)
+        length = int(counts.max()) if used.numel() else 0
+        if length == 0:
+            return []
+        positions = positions[:, used, :length]
+        groups = plan.groups[0].index_select(0, heads)[:, used, :length]
+        return [Block(positions, positions < n, True, groups=groups)]
     full = counts == plan.set_size
     if bool(full.all()):
         return [Block(positions, positions < n, False)]
@@ -160,6 +178,10 @@ def _block_inputs(q, k, v, block: Block, *, attn_mask, is_causal, dropout_p, see
     if block.padded and (apart or not is_causal):
         key_ok = block.valid.view(1, h, s, 1, length)
         allowed = key_ok if allowed is None else allowed & key_ok
+    if block.groups is not None:  # members see their own group's (padding has group -1)
+        same = block.groups.unsqueeze(-1) == block.groups.unsqueeze(-2)
+        same = (same & block.valid.unsqueeze(-2)).view(1, h, s, length, length)
+        allowed = same if allowed is None else allowed & same
     if apart and is_causal:  # member m sees members 0 .. m of its set
         seen = torch.arange(length, device=q.device) <= block.q_index.unsqueeze(-1)
         seen = seen.view(1, h, s, lq, length)

@@ -7,9 +7,10 @@ queries that continue a cached sequence, `seqused_k` (the key rows each batch ro
 place where it meets the lowerings is `plan_of` below:
 
 - Queries are the key rows (training, a prefill): the B rows are read as one row of B * N tokens
-  and each branch's sets are built per sequence (`sequence_plans`). The plans have the form of
-  lowering/plans.py, so every lowering runs them unchanged: a set never leaves its sequence, it
-  may be partial in any segment, and padding is in no set.
+  and each branch's sets are built per sequence (`sequence_plans`), on the device and of a size
+  fixed by B * N. The plans have the form of lowering/plans.py: a set may be partial in any
+  segment, padding is in no set, and the short segments of many sequences share sets as
+  groups that do not see each other (BranchPlan.groups), so that their number stays bounded.
 - Queries against a cache: `Cache` names the key row each query stands at. Few queries take the
   decode path (lowering/decode.py: each query reads only the keys of its own sets); many (a
   chunked prefill) are placed at their rows and run as above.
@@ -20,7 +21,6 @@ import functools
 import weakref
 from dataclasses import dataclass
 from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -58,99 +58,154 @@ def _broken(positions: Tensor) -> Tensor:
     return (rows > 0) & (prev != rows - 1)
 
 
-def sequence_plans(positions: Tensor, segment_lengths, dilation_rates, hilbert: bool,
-                   bound: Optional["Bound"] = None) -> list[BranchPlan]:
-    """The branch plans of rows whose tokens have `positions` [B, N] (negative: padding), over
-    the B * N tokens as one row (row b's token i is token b * N + i).
+def sequence_plans(positions: Tensor, segment_lengths, dilation_rates,
+                   hilbert: bool) -> list[BranchPlan]:
+    """The plans of rows whose tokens have `positions` [B, N] (negative: padding), over the
+    B * N = T tokens as one row (row b's token i is token b * N + i): two plans per branch, both
+    of a size fixed by T, built on the tensors' device with no read on the host (no
+    synchronisation; nothing that a CUDA graph cannot capture).
 
     Token t at position p lies in segment p // w of its sequence (the tokens since the last
     position 0 of its batch row, padding skipped); its in-segment position p % w decides its
-    offset class and its place in the class (plans.class_of), so the sets come from one
-    scatter. The plans' tensors are sized by the number of segments: read on the host (one
-    synchronisation, with the check of the positions), or, given a `Bound` (positions read
-    from cu_seqlens, whose length bounds the number of sequences), N // w + sequences per
-    branch with no read at all; the segments past the real ones are empty sets."""
+    offset class and its place in the class (plans.class_of).
+
+    - Whole segments (all w positions present) get a set each, as plain rows do: at most
+      T // w of them; the sets past the real ones are empty.
+    - The others (a sequence's last segment, cut short) hold fewer than w / r = m members per
+      class, and there may be as many of them as sequences. Per class, their members are laid
+      one segment after the other in a stream; bin b takes the segments whose first member
+      falls in stream slots [b m, (b + 1) m), so it spans fewer than 2 m slots, and its segments
+      are groups of one set of 2 m slots that do not see each other (BranchPlan.groups). At
+      most T // m + 1 bins, however many sequences the rows hold.
+
+    A segment's members of a class are a prefix of the class's members (its positions are
+    0 .. L - 1), so they take slots 0 .. count - 1 of their set or group, in ascending order.
+    Positions on the CPU are checked (ValueError); on a GPU they are taken as given (a check
+    would wait for the GPU), and whatever they say, no position outside the rows is read."""
     flat = positions.reshape(-1).to(torch.int64)
+    if flat.device.type == "cpu":
+        _check_positions(positions)
     total = flat.numel()
     device = flat.device
     tokens = torch.arange(total, device=device)
     valid = flat >= 0
     p = flat.clamp(min=0)
-    starts = [valid & (p % w == 0) for w in segment_lengths]
-    if bound is None:
-        broken = _broken(positions)
-        counts = torch.stack([broken.sum(), valid.all().to(torch.int64)] + [s.sum() for s in starts])
-        bad, complete, *num_segments = counts.tolist()
-        if bad:
-            raise ValueError(
-                "position_ids (or cu_seqlens, read as positions) must count 0, 1, 2, ... along "
-                "each sequence: a sequence starts at position 0 and does not cross a batch row; "
-                "negative positions are padding, skipped where they fall between a sequence's "
-                "tokens")
-    else:
-        complete = bound.complete
-        num_segments = [total // w + bound.sequences for w in segment_lengths]
     plans = []
-    for w, r, start, s in zip(segment_lengths, dilation_rates, starts, num_segments):
+    for w, r in zip(segment_lengths, dilation_rates):
         table = tables(w, r, hilbert, device)[1]
         cls, slot = table[0, p % w], table[1, p % w]
-        segment = torch.cumsum(start, 0) - 1
-        # padding goes to a spare set, dropped below; so would whatever positions not from a
-        # checked cu_seqlens put past the bound (garbage in, garbage out, but no read outside)
-        segment = torch.where(valid & (segment >= 0) & (segment < s), segment, s)
-        pos = torch.full((r, s + 1, w // r), total, dtype=torch.int64, device=device)
-        pos.index_put_((cls, segment, slot), tokens)
-        cnt = torch.zeros(r, s + 1, dtype=torch.int64, device=device)
-        cnt.index_put_((cls, segment), torch.ones_like(tokens), accumulate=True)
-        if bound is not None:
-            cnt.clamp_(max=w // r)
-        plans.append(BranchPlan(w, r, total, pos[:, :s].contiguous(), cnt[:, :s].contiguous(),
-                                strided=False, complete=bool(complete), hilbert=bool(hilbert)))
+        segment = torch.cumsum(valid & (p % w == 0), 0) - 1
+        inside = valid & (segment >= 0)
+        segment = torch.where(inside, segment, total)  # segment `total`: a spare, dropped
+        size = torch.zeros(total + 1, dtype=torch.int64, device=device)
+        size.index_add_(0, segment, torch.ones_like(segment))
+        whole = (size == w) & (torch.arange(total + 1, device=device) < total)
+        in_whole = whole[segment]
+        at = (w, r, total, tokens, cls, slot, segment, hilbert)
+        plans.append(_whole_segments(*at, whole, in_whole))
+        plans.append(_short_segments(*at, inside & ~in_whole))
     return plans
 
 
-@dataclass(frozen=True)
-class Bound:
-    """What cu_seqlens says of its positions without reading them: at most `sequences`
-    sequences; `complete`: no padding (False when not known)."""
-    sequences: int
-    complete: bool = False
+def _whole_segments(w, r, total, tokens, cls, slot, segment, hilbert, whole, in_whole):
+    """The plan of the whole segments: the i-th whole segment's classes are sets (o, i)."""
+    m, s = w // r, total // w
+    index = torch.cumsum(whole, 0) - 1  # of each segment among the whole ones
+    index = torch.where(in_whole, index[segment], s)
+    index = torch.where(index < s, index, s)  # only positions not counting 0, 1, ... go past
+    pos = torch.full((r, s + 1, m), total, dtype=torch.int64, device=tokens.device)
+    pos.index_put_((cls, index, slot), tokens)
+    cnt = torch.zeros(r, s + 1, dtype=torch.int64, device=tokens.device)
+    cnt.index_put_((cls, index), torch.ones_like(tokens), accumulate=True)
+    pos, cnt = _within(pos[:, :s], cnt[:, :s], total)
+    return BranchPlan(w, r, total, pos, cnt, strided=False, complete=False, hilbert=bool(hilbert))
 
 
-# Positions read from a cu_seqlens tensor, with their Bound, per cu_seqlens tensor (weakly, as
-# long as it is not written to): a model's layers pass the same one.
+def _short_segments(w, r, total, tokens, cls, slot, segment, hilbert, short):
+    """The plan of the segments cut short, in bins (see sequence_plans)."""
+    m, s = w // r, total // (w // r) + 1
+    device = tokens.device
+    seg = torch.where(short, segment, total)
+    count = torch.zeros(r, total + 1, dtype=torch.int64, device=device)
+    count.index_put_((cls, seg), torch.ones_like(tokens), accumulate=True)
+    count = count[:, :total].clamp_(max=m)  # [r, segments]: members of each class
+    base = torch.cumsum(count, 1) - count  # stream slot of each segment's first member
+    bin_of = torch.where(count > 0, base // m, s)  # bin s: a spare, dropped
+    first = torch.full((r, s + 1), total, dtype=torch.int64, device=device)
+    first.scatter_reduce_(1, bin_of, base, "amin")
+    start = base - first.gather(1, bin_of)  # each segment's first slot in its bin's set
+    end = start + count
+    cnt = torch.zeros(r, s + 1, dtype=torch.int64, device=device)
+    cnt.scatter_reduce_(1, bin_of, end, "amax")
+    seg = seg.clamp(max=total - 1)
+    where = (cls, torch.where(short, bin_of[cls, seg], s),
+             (start[cls, seg] + slot).clamp(max=2 * m - 1))
+    pos = torch.full((r, s + 1, 2 * m), total, dtype=torch.int64, device=device)
+    pos.index_put_(where, tokens)
+    groups = torch.full((2, r, s + 1, 2 * m), -1, dtype=torch.int64, device=device)
+    groups[0].index_put_(where, start[cls, seg])
+    groups[1].index_put_(where, end[cls, seg])
+    pos, cnt = _within(pos[:, :s], cnt[:, :s], total)
+    past = torch.arange(2 * m, device=device) >= cnt.unsqueeze(-1)
+    groups = groups[:, :, :s].masked_fill(past, -1).contiguous()
+    return BranchPlan(w, r, total, pos, cnt, strided=False, complete=False,
+                      hilbert=bool(hilbert), groups=groups)
+
+
+def _within(pos: Tensor, cnt: Tensor, total: int) -> tuple[Tensor, Tensor]:
+    """(pos, cnt) with every slot before a set's count a real row and every slot past it
+    `total`: what the lowerings assume, whatever unchecked positions made of the sets."""
+    cnt = cnt.clamp(max=pos.shape[-1]).contiguous()
+    before = torch.arange(pos.shape[-1], device=pos.device) < cnt.unsqueeze(-1)
+    return torch.where(before, pos.clamp(max=max(total - 1, 0)), total).contiguous(), cnt
+
+
+def _capturing(x: Tensor) -> bool:
+    """Whether a CUDA graph is being captured: what is cached per tensor is then not used, since
+    a graph replays with new values in the same tensors (what was made before the capture would
+    stay as it was)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _check_positions(positions: Tensor) -> None:
+    if bool(_broken(positions).any()):
+        raise ValueError(
+            "position_ids (or cu_seqlens, read as positions) must count 0, 1, 2, ... along "
+            "each sequence: a sequence starts at position 0 and does not cross a batch row; "
+            "negative positions are padding, skipped where they fall between a sequence's "
+            "tokens")
+
+
+# Positions read from a cu_seqlens tensor, per cu_seqlens tensor (weakly, as long as it is not
+# written to): a model's layers pass the same one, and then share its plans (plans_of).
 _from_cu: dict = {}
-_bounds: dict = {}  # id(positions' base) -> (weakref to it, Bound): the tensor plans_of keys
 
 
-def positions_with_bound(cu_seqlens: Tensor, batch: int, n: int, device) -> Tensor:
-    """positions_from_cu_seqlens on `device`, made once per cu_seqlens tensor, and noted with
-    their Bound so that plans_of builds their plans without reading anything on the host.
-    cu_seqlens on the CPU is checked here (ValueError naming it); on a GPU it is taken as
-    FlashAttention takes it (a check would wait for the GPU)."""
+def positions_of_cu_seqlens(cu_seqlens: Tensor, batch: int, n: int, device) -> Tensor:
+    """positions_from_cu_seqlens on `device`, made once per cu_seqlens tensor. cu_seqlens on
+    the CPU is checked here (ValueError naming it); on a GPU it is taken as FlashAttention
+    takes it (a check would wait for the GPU)."""
     try:
         key = (id(cu_seqlens), cu_seqlens._version, batch, n, str(torch.device(device)))
     except RuntimeError:  # inference tensors count no versions: made again each call
         key = None
+    if _capturing(cu_seqlens):  # made in the graph, so that each replay makes them anew
+        return positions_from_cu_seqlens(cu_seqlens.to(device), batch, n)
     hit = _from_cu.get(key)
     if hit is not None and hit[0]() is cu_seqlens:
         return hit[1]
-    complete = False
     if cu_seqlens.device.type == "cpu":
-        complete = _check_cu_seqlens(cu_seqlens, batch, n)
+        _check_cu_seqlens(cu_seqlens, batch, n)
     positions = positions_from_cu_seqlens(cu_seqlens.to(device), batch, n)
-    root = positions._base if positions._base is not None else positions  # what plans_of keys
-    _bounds[id(root)] = (weakref.ref(root), Bound(cu_seqlens.numel() - 1, complete))
-    weakref.finalize(root, _bounds.pop, id(root), None)
     if key is not None:
         _from_cu[key] = (weakref.ref(cu_seqlens), positions)
         weakref.finalize(cu_seqlens, _from_cu.pop, key, None)
     return positions
 
 
-def _check_cu_seqlens(cu_seqlens: Tensor, batch: int, n: int) -> bool:
+def _check_cu_seqlens(cu_seqlens: Tensor, batch: int, n: int) -> None:
     """Raises ValueError unless cu_seqlens [S + 1] rises from 0 to at most B * N without a
-    sequence crossing a batch row; returns whether it covers every row (no padding)."""
+    sequence crossing a batch row."""
     cu = cu_seqlens.to(torch.int64)
     if cu[0] != 0 or bool((cu[1:] < cu[:-1]).any()) or cu[-1] > batch * n:
         raise ValueError(f"cu_seqlens must rise from 0 to at most B * N = {batch * n} "
@@ -160,17 +215,11 @@ def _check_cu_seqlens(cu_seqlens: Tensor, batch: int, n: int) -> bool:
     if bool(((lengths > 0) & (first != last)).any()):
         raise ValueError(f"cu_seqlens: a sequence crosses a batch row of N = {n} tokens (each "
                          f"sequence lies within one row), got {cu.tolist()}")
-    return int(cu[-1]) == batch * n
-
-
-def _bound_of(root: Tensor) -> Optional[Bound]:
-    hit = _bounds.get(id(root))
-    return hit[1] if hit is not None and hit[0]() is root else None
 
 
 # Plans per position tensor, as long as it lives and is not written to: the layers of a model
-# all pass the same position_ids (one tensor, or views of it), so the host reads the number of
-# segments once per batch rather than once per layer and pass.
+# all pass the same position_ids (one tensor, or views of it), so the plans are built once per
+# batch rather than once per layer and pass.
 _plans: dict = {}
 
 
@@ -178,18 +227,18 @@ def plans_of(positions: Tensor, segment_lengths, dilation_rates, hilbert: bool) 
     """sequence_plans, cached for the tensor whose view `positions` is (weakly: a new batch's
     position_ids is a new tensor; an in-place change bumps its version)."""
     root = positions._base if positions._base is not None else positions
+    if _capturing(positions):  # built in the graph, so that each replay builds them anew
+        return sequence_plans(positions, segment_lengths, dilation_rates, hilbert)
     try:
         version = root._version
     except RuntimeError:  # inference tensors count no versions: nothing proves them unchanged
-        return sequence_plans(positions, segment_lengths, dilation_rates, hilbert,
-                              _bound_of(root))
+        return sequence_plans(positions, segment_lengths, dilation_rates, hilbert)
     key = (id(root), version, positions.storage_offset(), tuple(positions.shape),
            tuple(positions.stride()), tuple(segment_lengths), tuple(dilation_rates), bool(hilbert))
     hit = _plans.get(key)
     if hit is not None and hit[0]() is root:
         return hit[1]
-    bound = _bound_of(root) if version == 0 else None
-    plans = sequence_plans(positions, segment_lengths, dilation_rates, hilbert, bound)
+    plans = sequence_plans(positions, segment_lengths, dilation_rates, hilbert)
     _plans[key] = (weakref.ref(root), plans)
     weakref.finalize(root, _plans.pop, key, None)
     return plans

@@ -22,14 +22,18 @@ FlashAttention-2 kernels that read q, k, v where they lie (no gathered copies), 
   program of it returns at once), and some rows may be in no set (padding of packed sequences):
   the kernels never assume a set is whole or that a branch covers every row; the launcher
   decides who writes rows no set holds (lowering/triton_lowering.py).
+- GROUPED sets hold several short segments as groups (lowering/plans.py's BranchPlan.groups):
+  member m sees the members Grp[0, o, j, m] <= m' < Grp[1, o, j, m] only (Grp: int32, laid out
+  as Pos, the second plane stride_pg further). A tile then visits the members its rows' groups
+  span, every tile masked.
 
 Positional parameters. The three branch kernels take their own buffers first, then one shared
 run of operands, built by lowering/triton_lowering.py's Call.operands, then their own scalars
 (only _bwd_dkdv_kernel's NUM_CLASSES) and the compile-time arguments by name:
 
-    Q, K, V, [DO,] Pos, Cnt, Mask, Seed, Rows,
+    Q, K, V, [DO,] Pos, Cnt, Grp, Mask, Seed, Rows,
     strides (batch, head, row, column) of Q, K, V, [DO,] and of Mask broadcast to [B, H, N, N],
-    strides of Pos [r, S, >= w / r] (offset, segment, member) and of Cnt [r, S],
+    strides of Pos [r, S, >= w / r] (offset, segment, member) and of Cnt [r, S], stride_pg,
     H (query heads), HKV (key/value heads), N (rows), GROUP = H // HKV,
     SEG (segment length w), R (dilation rate), qk_scale = scale * log2(e), scale,
     keep_threshold, drop_scale (dropout: keep when hash >> 8 >= threshold, scale kept ones),
@@ -133,6 +137,17 @@ def _query_tile(Pos, Cnt, stride_po, stride_ps, stride_pm, stride_co, stride_cs,
 
 
 @triton.jit
+def _group_bounds(Grp, set_base, stride_pm, stride_pg, idx, ok, count):
+    """(group starts, group ends) of members idx, and the run [lo, hi) of members that the
+    groups of the `ok` ones span."""
+    gs = tl.load(Grp + set_base + idx * stride_pm)
+    ge = tl.load(Grp + stride_pg + set_base + idx * stride_pm)
+    lo = tl.min(tl.where(ok, gs, count), 0)
+    hi = tl.max(tl.where(ok, ge, 0), 0)
+    return gs, ge, lo, hi
+
+
+@triton.jit
 def _masked_scores(s, M_base, pos_q, pos_k, stride_mq, stride_mk, MASK_KIND: tl.constexpr):
     """Applies the user's mask to base-2 scores s[q, k] (pos_q, pos_k shaped to broadcast):
     MASK_KIND 1 is boolean (nonzero = allowed), 2 is additive float."""
@@ -149,7 +164,7 @@ def _masked_scores(s, M_base, pos_q, pos_k, stride_mq, stride_mk, MASK_KIND: tl.
 
 
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, pos_m, offs_m, qhash, lo, hi,
+def _fwd_tiles(acc, l_i, m_i, q, pos_m, offs_m, gs_m, ge_m, qhash, lo, hi,
                K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                Pos, set_base, stride_pm, first, R, count, M_base, stride_mq, stride_mk,
                qk_scale, keep_threshold, Rows,
@@ -157,8 +172,9 @@ def _fwd_tiles(acc, l_i, m_i, q, pos_m, offs_m, qhash, lo, hi,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
                CAUSAL: tl.constexpr, STRIDED: tl.constexpr, MASK_KIND: tl.constexpr,
                DROPOUT: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr,
-               PRECISION: tl.constexpr, NONNEG_SCALE: tl.constexpr):
-    """Online softmax of one query tile over the key members [lo, hi) of its set."""
+               PRECISION: tl.constexpr, NONNEG_SCALE: tl.constexpr, GROUPED: tl.constexpr):
+    """Online softmax of one query tile over the key members [lo, hi) of its set (GROUPED:
+    each row over its group's, gs_m <= member < ge_m)."""
     pos_next = _set_positions(Pos, set_base, stride_pm, first, R, lo + tl.arange(0, BLOCK_N),
                               count, STRIDED)
     for start_n in range(lo, hi, BLOCK_N):
@@ -176,6 +192,8 @@ def _fwd_tiles(acc, l_i, m_i, q, pos_m, offs_m, qhash, lo, hi,
                 ok = key_ok[None, :]
                 if CAUSAL:
                     ok = ok & (offs_n[None, :] <= offs_m[:, None])
+                if GROUPED:
+                    ok = ok & (offs_n[None, :] >= gs_m[:, None]) & (offs_n[None, :] < ge_m[:, None])
                 s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
@@ -200,12 +218,12 @@ def _fwd_tiles(acc, l_i, m_i, q, pos_m, offs_m, qhash, lo, hi,
 
 @triton.jit
 def _fwd_kernel(Out, Acc, Lse,
-                Q, K, V, Pos, Cnt, Mask, Seed, Rows,
+                Q, K, V, Pos, Cnt, Grp, Mask, Seed, Rows,
                 stride_qb, stride_qh, stride_qn, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
                 stride_mb, stride_mh, stride_mq, stride_mk,
-                stride_po, stride_ps, stride_pm, stride_co, stride_cs,
+                stride_po, stride_ps, stride_pm, stride_co, stride_cs, stride_pg,
                 H, HKV, N, GROUP, SEG, R, qk_scale, scale, keep_threshold, drop_scale,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -213,7 +231,7 @@ def _fwd_kernel(Out, Acc, Lse,
                 STRIDED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                 DROPOUT: tl.constexpr, ROWS: tl.constexpr, FIRST: tl.constexpr,
                 LAST: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                NONNEG_SCALE: tl.constexpr):
+                NONNEG_SCALE: tl.constexpr, GROUPED: tl.constexpr):
     """One branch, one program per (query tile, batch * head, segment).
 
     Computes the branch's attention for the tile's query rows and merges it by log-sum-exp
@@ -244,24 +262,36 @@ def _fwd_kernel(Out, Acc, Lse,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    if CAUSAL:  # key tiles left of the query tile in full, then the diagonal ones masked
-        lo = start_m
-        hi = tl.minimum(start_m + BLOCK_M, count)
-    else:  # full key tiles, then the set's last, partial one
-        lo = count // BLOCK_N * BLOCK_N
-        hi = count
-    acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, pos_m, offs_m, qhash, 0, lo, K_base, V_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, Pos, set_base, stride_pm, first, R, count,
-        M_base, stride_mq, stride_mk, qk_scale, keep_threshold, Rows,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, CAUSAL, STRIDED, MASK_KIND,
-        DROPOUT, ROWS, UPCAST, PRECISION, NONNEG_SCALE)
-    acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, pos_m, offs_m, qhash, lo, hi, K_base, V_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, Pos, set_base, stride_pm, first, R, count,
-        M_base, stride_mq, stride_mk, qk_scale, keep_threshold, Rows,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, CAUSAL, STRIDED, MASK_KIND,
-        DROPOUT, ROWS, UPCAST, PRECISION, NONNEG_SCALE)
+    if GROUPED:  # the members the rows' groups span, every tile masked
+        gs_m, ge_m, lo, hi = _group_bounds(Grp, set_base, stride_pm, stride_pg, offs_m, row_ok,
+                                           count)
+        if CAUSAL:
+            hi = tl.minimum(start_m + BLOCK_M, count)
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, pos_m, offs_m, gs_m, ge_m, qhash, lo, hi, K_base, V_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, Pos, set_base, stride_pm, first, R,
+            count, M_base, stride_mq, stride_mk, qk_scale, keep_threshold, Rows,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, CAUSAL, STRIDED, MASK_KIND,
+            DROPOUT, ROWS, UPCAST, PRECISION, NONNEG_SCALE, True)
+    else:
+        if CAUSAL:  # key tiles left of the query tile in full, then the diagonal ones masked
+            lo = start_m
+            hi = tl.minimum(start_m + BLOCK_M, count)
+        else:  # full key tiles, then the set's last, partial one
+            lo = count // BLOCK_N * BLOCK_N
+            hi = count
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, pos_m, offs_m, offs_m, offs_m, qhash, 0, lo, K_base, V_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, Pos, set_base, stride_pm, first, R,
+            count, M_base, stride_mq, stride_mk, qk_scale, keep_threshold, Rows,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, CAUSAL, STRIDED, MASK_KIND,
+            DROPOUT, ROWS, UPCAST, PRECISION, NONNEG_SCALE, False)
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, pos_m, offs_m, offs_m, offs_m, qhash, lo, hi, K_base, V_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, Pos, set_base, stride_pm, first, R,
+            count, M_base, stride_mq, stride_mk, qk_scale, keep_threshold, Rows,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, CAUSAL, STRIDED, MASK_KIND,
+            DROPOUT, ROWS, UPCAST, PRECISION, NONNEG_SCALE, False)
 
     # This branch's result: o (normalised) and its log-sum-exp, -inf for rows with no key.
     empty = l_i == 0.0
@@ -329,7 +359,7 @@ def _bwd_preprocess(Out, DO, Lse, Delta, Lse2, DQ,
 
 
 @triton.jit
-def _bwd_dkdv_tiles(dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, lo, hi,
+def _bwd_dkdv_tiles(dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, gs_n, ge_n, lo, hi,
                     Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
                     Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
                     M_base, stride_mq, stride_mk, Seed, Rows, b, h,
@@ -338,9 +368,10 @@ def _bwd_dkdv_tiles(dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, lo, hi,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, EDGE: tl.constexpr,
                     CAUSAL: tl.constexpr, STRIDED: tl.constexpr, MASK_KIND: tl.constexpr,
                     DROPOUT: tl.constexpr, ROWS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                    UPCAST: tl.constexpr, PRECISION: tl.constexpr, GROUPED: tl.constexpr):
     """dK, dV of one key tile from the query members [lo, hi) of one head (transposed tiles;
-    drop_n: the positions dropout hashes for the key rows, _dropout_positions).
+    drop_n: the positions dropout hashes for the key rows, _dropout_positions; GROUPED: each
+    key from its group's queries, gs_n <= member < ge_n).
     EDGE ranges (a causal diagonal, a set's last partial tile) are not software-pipelined: the
     pipelined copy of the loop held registers the main loop's tiles needed (fewer spills)."""
     pos_next = _set_positions(Pos, set_base, stride_pm, first, R, lo + tl.arange(0, BLOCK_M),
@@ -359,6 +390,8 @@ def _bwd_dkdv_tiles(dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, lo, hi,
             ok = q_ok[None, :]
             if CAUSAL:
                 ok = ok & (offs_m[None, :] >= offs_n[:, None])
+            if GROUPED:
+                ok = ok & (offs_m[None, :] >= gs_n[:, None]) & (offs_m[None, :] < ge_n[:, None])
             s_t = tl.where(ok, s_t, float("-inf"))
         p_t = tl.math.exp2(s_t - tl.load(Lse2_base + pos_m)[None, :])
         do = _load_rows(DO_base, pos_m, stride_don, stride_dod, q_ok, HEAD_DIM_V, BLOCK_DV, EDGE,
@@ -384,7 +417,8 @@ def _bwd_dkdv_tiles(dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, lo, hi,
 
 
 @triton.jit
-def _bwd_dkdv_head(dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, start_n, count, h, b,
+def _bwd_dkdv_head(dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, gs_n, ge_n, lo_g, hi_g,
+                   start_n, count, h, b,
                    Q, DO, DQ, Lse2, Delta, Mask, Seed, Rows,
                    stride_qb, stride_qh, stride_qn, stride_qd,
                    stride_dob, stride_doh, stride_don, stride_dod, stride_mb, stride_mh,
@@ -394,8 +428,9 @@ def _bwd_dkdv_head(dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, start_n, count, 
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, STRIDED: tl.constexpr, MASK_KIND: tl.constexpr,
                    DROPOUT: tl.constexpr, ROWS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Adds to dK, dV of one key tile what query head h's members of the set give."""
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, GROUPED: tl.constexpr):
+    """Adds to dK, dV of one key tile what query head h's members of the set give (GROUPED:
+    the queries [lo_g, hi_g) that the key rows' groups span)."""
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     bh64 = (b * H + h).to(tl.int64)
@@ -405,32 +440,44 @@ def _bwd_dkdv_head(dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, start_n, count, 
     Lse2_base = Lse2 + bh64 * N
     Delta_base = Delta + bh64 * N
     M_base = Mask + b64 * stride_mb + h64 * stride_mh
-    if CAUSAL:  # queries from the key tile's diagonal on: the diagonal tiles masked
-        lo = start_n + BLOCK_N
+    if GROUPED:
+        if CAUSAL:
+            lo_g = start_n
         dk, dv = _bwd_dkdv_tiles(
-            dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, start_n, tl.minimum(lo, count),
+            dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, gs_n, ge_n, lo_g, hi_g,
             Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
             Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
             M_base, stride_mq, stride_mk, Seed, Rows, b, h, qk_scale, scale, keep_threshold,
             drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL,
-            STRIDED, MASK_KIND, DROPOUT, ROWS, ATOMIC_DQ, UPCAST, PRECISION)
+            STRIDED, MASK_KIND, DROPOUT, ROWS, ATOMIC_DQ, UPCAST, PRECISION, True)
+        return dk, dv
+    if CAUSAL:  # queries from the key tile's diagonal on: the diagonal tiles masked
+        lo = start_n + BLOCK_N
+        dk, dv = _bwd_dkdv_tiles(
+            dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, gs_n, ge_n, start_n,
+            tl.minimum(lo, count),
+            Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
+            Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
+            M_base, stride_mq, stride_mk, Seed, Rows, b, h, qk_scale, scale, keep_threshold,
+            drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL,
+            STRIDED, MASK_KIND, DROPOUT, ROWS, ATOMIC_DQ, UPCAST, PRECISION, False)
     else:
         lo = 0
     full = count // BLOCK_M * BLOCK_M
     dk, dv = _bwd_dkdv_tiles(
-        dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, lo, full,
+        dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, gs_n, ge_n, lo, full,
         Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
         Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
         M_base, stride_mq, stride_mk, Seed, Rows, b, h, qk_scale, scale, keep_threshold,
         drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False, CAUSAL,
-        STRIDED, MASK_KIND, DROPOUT, ROWS, ATOMIC_DQ, UPCAST, PRECISION)
+        STRIDED, MASK_KIND, DROPOUT, ROWS, ATOMIC_DQ, UPCAST, PRECISION, False)
     dk, dv = _bwd_dkdv_tiles(
-        dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, tl.maximum(full, lo), count,
+        dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, gs_n, ge_n, tl.maximum(full, lo), count,
         Q_base, DO_base, DQ_base, stride_qn, stride_qd, stride_don, stride_dod,
         Lse2_base, Delta_base, Pos, set_base, stride_pm, first, R, count,
         M_base, stride_mq, stride_mk, Seed, Rows, b, h, qk_scale, scale, keep_threshold,
         drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL,
-        STRIDED, MASK_KIND, DROPOUT, ROWS, ATOMIC_DQ, UPCAST, PRECISION)
+        STRIDED, MASK_KIND, DROPOUT, ROWS, ATOMIC_DQ, UPCAST, PRECISION, False)
     return dk, dv
 
 
@@ -462,13 +509,13 @@ def _add_rows(acc, Buf, Final, Seen, seen_base, head_row, pos, row_ok, DIM: tl.c
 
 @triton.jit
 def _bwd_dkdv_kernel(DK, DV, DQ, DKO, DVO, Seen, Lse2, Delta,
-                     Q, K, V, DO, Pos, Cnt, Mask, Seed, Rows,
+                     Q, K, V, DO, Pos, Cnt, Grp, Mask, Seed, Rows,
                      stride_qb, stride_qh, stride_qn, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
                      stride_dob, stride_doh, stride_don, stride_dod,
                      stride_mb, stride_mh, stride_mq, stride_mk,
-                     stride_po, stride_ps, stride_pm, stride_co, stride_cs,
+                     stride_po, stride_ps, stride_pm, stride_co, stride_cs, stride_pg,
                      H, HKV, N, GROUP, SEG, R, qk_scale, scale, keep_threshold, drop_scale,
                      NUM_CLASSES,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -477,7 +524,8 @@ def _bwd_dkdv_kernel(DK, DV, DQ, DKO, DVO, Seen, Lse2, Delta,
                      STRIDED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                      DROPOUT: tl.constexpr, ROWS: tl.constexpr, FIRST: tl.constexpr,
                      LAST: tl.constexpr, ONE_HEAD: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr):
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
+                     GROUPED: tl.constexpr):
     """One branch, one program per (key tile, batch * kv head * offset class, segment).
 
     The query heads of kv head g = h // GROUP fall into classes by their offset h % R; a program
@@ -511,18 +559,25 @@ def _bwd_dkdv_kernel(DK, DV, DQ, DKO, DVO, Seen, Lse2, Delta,
     v = _load_rows(V + b64 * stride_vb + g64 * stride_vh, pos_n, stride_vn, stride_vd, key_ok,
                    HEAD_DIM_V, BLOCK_DV, False, UPCAST)
     drop_n = _dropout_positions(Rows, pos_n, ROWS)  # read only under DROPOUT
+    if GROUPED:
+        gs_n, ge_n, lo_g, hi_g = _group_bounds(Grp, set_base, stride_pm, stride_pg, offs_n,
+                                               key_ok, count)
+    else:
+        gs_n, ge_n, lo_g, hi_g = offs_n, offs_n, 0, count
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     # ONE_HEAD: a constant trip count of 1, which the compiler folds away (the loop's state
     # held registers the tiles needed)
     for i in range(0, 1 if ONE_HEAD else (GROUP - cls + R - 1) // R):
         dk, dv = _bwd_dkdv_head(
-            dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, start_n, count, h_first + i * R, b,
+            dk, dv, k, v, pos_n, drop_n, offs_n, key_ok, gs_n, ge_n, lo_g, hi_g, start_n, count,
+            h_first + i * R, b,
             Q, DO, DQ, Lse2, Delta, Mask, Seed, Rows, stride_qb, stride_qh, stride_qn,
             stride_qd, stride_dob, stride_doh, stride_don, stride_dod, stride_mb, stride_mh,
             stride_mq, stride_mk, H, N, Pos, set_base, stride_pm, first, R, qk_scale, scale,
             keep_threshold, drop_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-            BLOCK_N, CAUSAL, STRIDED, MASK_KIND, DROPOUT, ROWS, ATOMIC_DQ, UPCAST, PRECISION)
+            BLOCK_N, CAUSAL, STRIDED, MASK_KIND, DROPOUT, ROWS, ATOMIC_DQ, UPCAST, PRECISION,
+            GROUPED)
     head_row = bg.to(tl.int64) * N  # DK, DV, DKO, DVO: contiguous [B, HKV, N, *]
     _add_rows(dk * scale, DK, DKO, Seen, g64 * N, head_row, pos_n, key_ok, HEAD_DIM, BLOCK_D,
               FIRST, LAST, WIDE)
@@ -531,7 +586,7 @@ def _bwd_dkdv_kernel(DK, DV, DQ, DKO, DVO, Seen, Lse2, Delta,
 
 
 @triton.jit
-def _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, qhash, lo, hi,
+def _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, gs_m, ge_m, qhash, lo, hi,
                   K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                   Pos, set_base, stride_pm, first, R, count, M_base, stride_mq, stride_mk,
                   qk_scale, keep_threshold, drop_scale, Rows,
@@ -539,8 +594,8 @@ def _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, qhash, lo, hi,
                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
                   CAUSAL: tl.constexpr, STRIDED: tl.constexpr, MASK_KIND: tl.constexpr,
                   DROPOUT: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """dQ of one query tile from the key members [lo, hi) of its set."""
+                  PRECISION: tl.constexpr, GROUPED: tl.constexpr):
+    """dQ of one query tile from the key members [lo, hi) of its set (GROUPED: as _fwd_tiles)."""
     pos_next = _set_positions(Pos, set_base, stride_pm, first, R, lo + tl.arange(0, BLOCK_N),
                               count, STRIDED)
     for start_n in range(lo, hi, BLOCK_N):
@@ -559,6 +614,8 @@ def _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, qhash, lo, hi,
             ok = key_ok[None, :]
             if CAUSAL:
                 ok = ok & (offs_n[None, :] <= offs_m[:, None])
+            if GROUPED:
+                ok = ok & (offs_n[None, :] >= gs_m[:, None]) & (offs_n[None, :] < ge_m[:, None])
             s = tl.where(ok, s, float("-inf"))
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -573,13 +630,13 @@ def _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, qhash, lo, hi,
 
 @triton.jit
 def _bwd_dq_kernel(DQ, DQO, Seen, Lse2, Delta,
-                   Q, K, V, DO, Pos, Cnt, Mask, Seed, Rows,
+                   Q, K, V, DO, Pos, Cnt, Grp, Mask, Seed, Rows,
                    stride_qb, stride_qh, stride_qn, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
                    stride_dob, stride_doh, stride_don, stride_dod,
                    stride_mb, stride_mh, stride_mq, stride_mk,
-                   stride_po, stride_ps, stride_pm, stride_co, stride_cs,
+                   stride_po, stride_ps, stride_pm, stride_co, stride_cs, stride_pg,
                    H, HKV, N, GROUP, SEG, R, qk_scale, scale, keep_threshold, drop_scale,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -587,7 +644,7 @@ def _bwd_dq_kernel(DQ, DQO, Seen, Lse2, Delta,
                    STRIDED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                    DROPOUT: tl.constexpr, ROWS: tl.constexpr, FIRST: tl.constexpr,
                    LAST: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                   WIDE: tl.constexpr):
+                   WIDE: tl.constexpr, GROUPED: tl.constexpr):
     """One branch, one program per (query tile, batch * head, segment): adds dQ of its rows into
     DQ (float32; a LAST branch writes DQO in q's dtype instead, see _add_rows)."""
     bh, b, h, count, start_m, first, set_base, offs_m, row_ok, pos_m = _query_tile(
@@ -613,24 +670,36 @@ def _bwd_dq_kernel(DQ, DQO, Seen, Lse2, Delta,
     else:
         qhash = pos_m.to(tl.uint32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if CAUSAL:
-        lo = start_m
-        hi = tl.minimum(start_m + BLOCK_M, count)
+    if GROUPED:  # as in _fwd_kernel
+        gs_m, ge_m, lo, hi = _group_bounds(Grp, set_base, stride_pm, stride_pg, offs_m, row_ok,
+                                           count)
+        if CAUSAL:
+            hi = tl.minimum(start_m + BLOCK_M, count)
+        dq = _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, gs_m, ge_m, qhash, lo, hi,
+                           K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                           Pos, set_base, stride_pm, first, R, count, M_base, stride_mq,
+                           stride_mk, qk_scale, keep_threshold, drop_scale, Rows,
+                           HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, CAUSAL,
+                           STRIDED, MASK_KIND, DROPOUT, ROWS, UPCAST, PRECISION, True)
     else:
-        lo = count // BLOCK_N * BLOCK_N
-        hi = count
-    dq = _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, qhash, 0, lo,
-                       K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                       Pos, set_base, stride_pm, first, R, count, M_base, stride_mq, stride_mk,
-                       qk_scale, keep_threshold, drop_scale, Rows,
-                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, CAUSAL, STRIDED,
-                       MASK_KIND, DROPOUT, ROWS, UPCAST, PRECISION)
-    dq = _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, qhash, lo, hi,
-                       K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                       Pos, set_base, stride_pm, first, R, count, M_base, stride_mq, stride_mk,
-                       qk_scale, keep_threshold, drop_scale, Rows,
-                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, CAUSAL, STRIDED,
-                       MASK_KIND, DROPOUT, ROWS, UPCAST, PRECISION)
+        if CAUSAL:
+            lo = start_m
+            hi = tl.minimum(start_m + BLOCK_M, count)
+        else:
+            lo = count // BLOCK_N * BLOCK_N
+            hi = count
+        dq = _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, offs_m, offs_m, qhash, 0, lo,
+                           K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                           Pos, set_base, stride_pm, first, R, count, M_base, stride_mq,
+                           stride_mk, qk_scale, keep_threshold, drop_scale, Rows,
+                           HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, CAUSAL,
+                           STRIDED, MASK_KIND, DROPOUT, ROWS, UPCAST, PRECISION, False)
+        dq = _bwd_dq_tiles(dq, q, do, lse2, delta, pos_m, offs_m, offs_m, offs_m, qhash, lo, hi,
+                           K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                           Pos, set_base, stride_pm, first, R, count, M_base, stride_mq,
+                           stride_mk, qk_scale, keep_threshold, drop_scale, Rows,
+                           HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, CAUSAL,
+                           STRIDED, MASK_KIND, DROPOUT, ROWS, UPCAST, PRECISION, False)
     # DQ, DQO: contiguous [B, H, N, D]
     _add_rows(dq * scale, DQ, DQO, Seen, h64 * N, bh.to(tl.int64) * N, pos_m, row_ok, HEAD_DIM,
               BLOCK_D, FIRST, LAST, WIDE)

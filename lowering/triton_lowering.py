@@ -251,6 +251,7 @@ class Branch:
     dilation_rate: int
     set_size: int
     num_segments: int
+    groups: torch.Tensor | None = None  # int32 [2, r, S, as pos] (GROUPED), or None
 
     def grid(self, tile: int, programs: int) -> tuple[int, int, int]:
         """(tiles of a set, programs per segment, segments), checked against CUDA's limits."""
@@ -322,17 +323,19 @@ class Call:
                            self.mask_kind != 0, knobs=self.knobs)
 
     def branch(self, plan: BranchPlan) -> Branch:
-        pos, cnt, strided = _plan_tensors(plan, self.q.device)
+        pos, cnt, strided, groups = _plan_tensors(plan, self.q.device)
         return Branch(pos, cnt, strided, plan.segment_length, plan.dilation_rate, plan.set_size,
-                      plan.num_segments)
+                      plan.num_segments, groups)
 
     def operands(self, br: Branch) -> list:
         tensors = [self.q, self.k, self.v] + ([] if self.dout is None else [self.dout])
         strides = [s for t in tensors for s in t.stride()]
         slots = [Q, K, V] + ([] if self.dout is None else [DOUT])
-        return [*slots, br.pos, br.cnt, MASK if self.mask_kind else Q,
+        grp = br.pos if br.groups is None else br.groups  # pos: never read
+        return [*slots, br.pos, br.cnt, grp, MASK if self.mask_kind else Q,
                 SEED if self.dropout else Q, DROPOUT_ROWS if self.hashes_rows else Q,
                 *strides, *self.mask_strides, *br.pos.stride(), *br.cnt.stride(),
+                0 if br.groups is None else br.groups.stride(0),
                 self.hq, self.hkv, self.n, self.group, br.segment_length,
                 br.dilation_rate, self.scale * LOG2E, self.scale, self.threshold,
                 self.drop_scale]
@@ -340,6 +343,7 @@ class Call:
     def constexprs(self, br: Branch, **own) -> dict:
         return dict(HEAD_DIM=self.d, HEAD_DIM_V=self.dv, BLOCK_D=_block_d(self.d),
                     BLOCK_DV=_block_d(self.dv), STRIDED=br.strided, CAUSAL=self.is_causal,
+                    GROUPED=br.groups is not None,
                     MASK_KIND=self.mask_kind, DROPOUT=self.dropout, ROWS=self.hashes_rows,
                     UPCAST=self.upcast, PRECISION=self.precision, **own)
 

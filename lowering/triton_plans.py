@@ -24,7 +24,8 @@ _plan_cache = PlanCache()
 
 
 def plan_tensors(plan: BranchPlan, device):
-    """(positions, counts, strided) of a plan for the kernels on `device`, made once per plan.
+    """(positions, counts, strided, groups) of a plan for the kernels on `device`, made once per
+    plan; groups (int32 [2, r, S, as positions], -1 past each count) or None.
 
     Strided plans (identity order) reach rows by arithmetic and pass their positions unused.
     Otherwise the positions go as int32, each set padded with 0 (a real row) from its count on,
@@ -44,7 +45,11 @@ def plan_tensors(plan: BranchPlan, device):
                                  dtype=torch.int32, device=device)
             padded[:, :, :m] = torch.where(valid, pos, 0).to(torch.int32)
             pos = padded
-        return pos, cnt, plan.is_strided
+        groups = None
+        if plan.groups is not None:  # never strided: laid out as the padded positions
+            groups = torch.full((2, *pos.shape), -1, dtype=torch.int32, device=device)
+            groups[..., :plan.set_size] = plan.groups.to(device)
+        return pos, cnt, plan.is_strided, groups
 
     return _plan_cache.get(plan, str(device), make)
 

@@ -1,7 +1,7 @@
 """Sequences on one GPU (SPEC section 5): a check against the float64 reference, then the timings
 of BENCHMARKS.md's "Packed documents and decoding".
 
-    PYTHONPATH=.:tests python scripts/sequences_bench.py --steps check packed decode model --out $OUT
+    PYTHONPATH=.:tests python scripts/sequences_bench.py --steps check sync packed decode model --out $OUT
 
 check    packed rows (ragged, padding, B = 2), cached queries (Nq = 1 and 5, per-row cache lengths)
          against tests/reference.py, out and gradients, every lowering; exits non-zero on a failure
@@ -10,6 +10,11 @@ packed   a 64K row of documents of 1K to 16K tokens, causal, bf16, H = 16, D = 1
          document mask and the dilated pattern; forward and forward+backward; peak memory
 decode   one query per row against a cache of 8K, 32K and 128K tokens: the op against dense SDPA
          over the whole cache; CPU time to issue a call, GPU time per call, and a CUDA graph's
+sync     packed rows (position_ids, cu_seqlens), a chunk of queries and a decoding step against
+         a cache, forward and backward on both lowerings, with torch.cuda.set_sync_debug_mode
+         ("error"): a host synchronisation fails the call; then a packed forward+backward captured
+         in a CUDA graph and replayed with other documents, and a transformers Llama trained on
+         packed batches under mode="reduce-overhead", both against calls without graphs
 model    a 12-layer Llama (width 1024) generating with the compiled forward after a prompt of
          8K, 32K and 128K tokens: time per new token, dilated against dense
 """
@@ -164,6 +169,141 @@ def compare(out, device, name, kw, b, nq, nk, w, r, dtype, d, tol, lowering, hil
              f"causal={causal!s:5s} {name:22s} out {errs[0]:.1e} dq {errs[1]:.1e} "
              f"dk {errs[2]:.1e} dv {errs[3]:.1e}")
     return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------- sync
+
+
+def sync(out, device):
+    torch.manual_seed(4)
+    w, r = (128, 256, 512), (1, 2, 4)
+    n, failures = 1024, 0
+
+    def docs(lengths, b=2):  # each row: documents of these lengths, then padding
+        rows = [torch.cat([torch.arange(x) for x in lengths] + [torch.full((n - sum(lengths),), -1)])
+                for _ in range(b)]
+        return torch.stack(rows).to(device)
+
+    def cu(lengths, b=2):
+        return torch.tensor([0] + list(itertools.accumulate(list(lengths) * b)), device=device,
+                            dtype=torch.int32) if sum(lengths) == n else None
+
+    qkv = [torch.randn(2, 8, n, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3)]
+    cases = [("position_ids", lambda: dict(position_ids=docs((300, 77, 513, 10))), n),
+             ("cu_seqlens", lambda: dict(cu_seqlens=cu((300, 77, 513, 134))), n),
+             ("chunk Nq=40", lambda: dict(seqused_k=torch.tensor([900, 611], device=device)), 40),
+             ("decode Nq=1", lambda: dict(seqused_k=torch.tensor([900, 611], device=device)), 1)]
+    for lowering, (name, kw, nq) in itertools.product(("triton", "sdpa"), cases):
+        q = qkv[0][:, :, :nq].detach().requires_grad_()
+        k, v = qkv[1], qkv[2]
+
+        def call():
+            o = dilated_attention(q, k, v, w, r, hilbert=True, is_causal=True, enable_gqa=True,
+                                  lowering=lowering, **kw())  # new tensors: new plans
+            torch.autograd.grad(o.float().sum(), (q, k, v))
+        call()  # the first call of a configuration makes its tables and compiles kernels
+        torch.cuda.synchronize()
+        try:
+            torch.cuda.set_sync_debug_mode("error")
+            call()
+            ok, why = True, ""
+        except RuntimeError as e:
+            ok, why = False, str(e).splitlines()[0][:120]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        failures += not ok
+        log(out, f"{'ok  ' if ok else 'FAIL'} no host sync: {lowering:6s} {name:14s} {why}")
+    return failures + graph_replay(out, device, docs) + llama_graphs(out, device)
+
+
+def graph_replay(out, device, docs):
+    """A packed forward+backward captured once, replayed with other documents in the same
+    position tensor: equal to eager calls on those documents."""
+    from hilbert_fx.lowering import sequences
+    torch.manual_seed(5)
+    w, r = (128, 256, 512), (1, 2, 4)
+    q, k, v = (torch.randn(2, 8, 1024, 64, device=device, dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    g = torch.randn(2, 8, 1024, 64, device=device, dtype=torch.bfloat16)
+    layouts = [(300, 77, 513, 10), (1024,), (5, 1, 700, 3, 200), (64,) * 16]
+
+    def step(pos):
+        o = dilated_attention(q, k, v, w, r, hilbert=True, is_causal=True, enable_gqa=True,
+                              lowering="triton", position_ids=pos)
+        return (o, *torch.autograd.grad(o, (q, k, v), g))
+
+    failures = 0
+    static = docs(layouts[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(static.clone())  # warm up: tables, kernels
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(static)
+    for lengths in layouts:
+        static.copy_(docs(lengths))
+        graph.replay()
+        want = step(docs(lengths))
+        errs = [rel(a.float(), b.double().cpu()) for a, b in zip(outs, want)]
+        ok = all(e < 1e-2 for e in errs)
+        failures += not ok
+        log(out, f"{'ok  ' if ok else 'FAIL'} CUDA graph replay, documents {lengths}: out, dq, dk, "
+                 f"dv against eager " + " ".join(f"{e:.1e}" for e in errs))
+    del sequences
+    return failures
+
+
+def llama_graphs(out, device):
+    """A small transformers Llama, packed batches of other documents each step, compiled with
+    the backend under mode="reduce-overhead" against the default mode: equal losses and
+    gradients, and Inductor's count of graphs it ran without CUDA graphs."""
+    from torch._dynamo.utils import counters
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(6)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).to(device)
+    options = dict(segment_lengths=(256, 512), dilation_rates=(1, 2), hilbert=True)
+    layouts = [(700, 200, 124), (1024,), (3, 500, 21, 500), (100,) * 10 + (24,)]
+
+    def batch(lengths):
+        pos = torch.cat([torch.arange(x) for x in lengths]).view(1, -1).to(device)
+        ids = torch.randint(0, 512, pos.shape, device=device)
+        return ids, pos
+
+    def run(mode):
+        torch._dynamo.reset()
+        counters.clear()
+        fn = torch.compile(model, backend=hilbert_fx.backend(**options), mode=mode)
+        result = []
+        for lengths in layouts:
+            ids, pos = batch(lengths)
+            model.zero_grad(set_to_none=True)
+            loss = fn(input_ids=ids, position_ids=pos, labels=ids).loss
+            loss.backward()
+            result.append((loss.detach().clone(),
+                           model.model.layers[0].self_attn.q_proj.weight.grad.clone()))
+        return result, sum(counters["inductor"]["cudagraph_skips"].values()) \
+            if "cudagraph_skips" in counters["inductor"] else int(counters["inductor"].get(
+                "cudagraph_skips", 0))
+
+    torch.manual_seed(7)
+    plain, _ = run(None)
+    torch.manual_seed(7)
+    graphs, skips = run("reduce-overhead")
+    failures = 0
+    for lengths, (l0, g0), (l1, g1) in zip(layouts, plain, graphs):
+        errs = (abs(l0 - l1).item(), rel(g1, g0.double().cpu()))
+        ok = errs[0] < 1e-3 and errs[1] < 1e-2
+        failures += not ok
+        log(out, f"{'ok  ' if ok else 'FAIL'} Llama packed {lengths}, reduce-overhead vs default: "
+                 f"loss diff {errs[0]:.1e}, q_proj grad {errs[1]:.1e}")
+    log(out, f"{'ok  ' if skips == 0 else 'FAIL'} Inductor graphs run without CUDA graphs: {skips}")
+    return failures + (skips != 0)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -443,7 +583,7 @@ def main():
     for step in args.steps:
         log(args.out, f"=== {step}")
         try:
-            steps = {"check": check, "packed": packed, "decode": decode,
+            steps = {"check": check, "sync": sync, "packed": packed, "decode": decode,
                      "model": lambda o, d: model(o, d, args.model_lens)}
             result = steps[step](args.out, device)
             failures += result or 0

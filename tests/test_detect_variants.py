@@ -332,8 +332,7 @@ def compile_and_record(model, *args):
 
 
 def op_calls(rec):
-    ops = (OP, torch.ops.hilbert_fx.dilated_attention_varlen.default)
-    return [n for gm in rec.graphs for n in gm.graph.nodes if n.target in ops]
+    return [n for gm in rec.graphs for n in gm.graph.nodes if n.target == OP]
 
 
 def inputs(seed, n=N):

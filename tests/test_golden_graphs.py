@@ -261,8 +261,8 @@ def forward(self, L_x_ : torch.Tensor, L_w_ : torch.nn.parameter.Parameter, L_po
     q = permute[0]
     k = permute[1]
     v = permute[2]
-    dilated_attention_varlen_default = torch.ops.hilbert_fx.dilated_attention_varlen.default(q, k, v, [8, 16], [1, 2], True, True, None, 0.0, None, 0.35355339059327373, 'sdpa', run_positions, None)
-    getitem_11 = dilated_attention_varlen_default[0]
+    dilated_attention_default = torch.ops.hilbert_fx.dilated_attention.default(q, k, v, [8, 16], [1, 2], True, True, None, 0.0, None, 0.35355339059327373, 'sdpa', run_positions, None)
+    getitem_11 = dilated_attention_default[0]
     return (getitem_11,)""")
 
     def test_sdpa_encoder_with_padding(self):
@@ -282,8 +282,8 @@ def forward(self, L_x_ : torch.Tensor, L_w_ : torch.nn.parameter.Parameter, L_at
     v = permute[2]
     padding = l_attention_mask_.bool()
     padding_positions = hilbert_fx_structure_padding_positions(padding)
-    dilated_attention_varlen_default = torch.ops.hilbert_fx.dilated_attention_varlen.default(q, k, v, [8, 16], [1, 2], True, False, None, 0.0, None, 0.35355339059327373, 'sdpa', padding_positions, None)
-    getitem_7 = dilated_attention_varlen_default[0]
+    dilated_attention_default = torch.ops.hilbert_fx.dilated_attention.default(q, k, v, [8, 16], [1, 2], True, False, None, 0.0, None, 0.35355339059327373, 'sdpa', padding_positions, None)
+    getitem_7 = dilated_attention_default[0]
     return (getitem_7,)""")
 
     def test_sdpa_decoding_against_a_dynamic_cache(self):

@@ -388,7 +388,7 @@ def test_kernel_positions_padded(n, w, r):
     from hilbert_fx.lowering.triton_lowering import POSITION_PAD, _plan_tensors
     from reference import hilbert_order
     plan = branch_plan(n, w, r, hilbert=True)
-    pos, cnt, strided = _plan_tensors(plan, torch.device("cpu"))
+    pos, cnt, strided, _ = _plan_tensors(plan, torch.device("cpu"))
     assert not strided and pos.dtype == torch.int32
     assert pos.shape[-1] >= w // r + POSITION_PAD and pos.shape[-1] % POSITION_PAD == 0
     order = [int(p) for p in hilbert_order(w)]

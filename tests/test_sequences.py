@@ -591,31 +591,78 @@ def test_all_padding_batch(lowering):
         f"rc={res.returncode}\nstdout: {res.stdout[-2000:]}\nstderr: {res.stderr[-2000:]}"
 
 
-@pytest.mark.parametrize("layout", list(CU_LAYOUTS))
-def test_cu_seqlens_plans_read_nothing_on_the_host(layout, monkeypatch):
-    """Plans of cu_seqlens are sized by its length (N // w + sequences segments per branch) and
-    built without a host read, which on a GPU would wait for it; they hold the same sets as the
-    plans sized by the segments counted on the host, then empty sets."""
+def expected_sets(positions, w, r, hilbert):
+    """{offset: sorted list of the sets (tuples of tokens of the B * N row)} of a branch, from
+    section 5 token by token: a sequence's tokens since its position 0, segment p // w, offset
+    class of p % w by the rank table."""
+    from reference import hilbert_order
+    ranks = hilbert_order(w) if hilbert else list(range(w))  # the position rank t stands for
+    cls_of = {ranks[t]: t % r for t in range(w)}
+    sets = {}
+    doc = -1
+    for t, p in enumerate(positions.reshape(-1).tolist()):
+        if p < 0:
+            continue
+        doc += p == 0
+        sets.setdefault((cls_of[p % w], doc, p // w), []).append(t)
+    out = {o: [] for o in range(r)}
+    for (o, _, _), members in sets.items():
+        out[o].append(tuple(members))
+    return {o: sorted(v) for o, v in out.items()}
+
+
+def planned_sets(plans, r):
+    """The same from the two plans of one branch: whole sets, and the groups of binned sets."""
+    out = {o: [] for o in range(r)}
+    for plan in plans:
+        for o in range(r):
+            for j in range(plan.num_segments):
+                c = int(plan.counts[o, j])
+                members = plan.positions[o, j, :c].tolist()
+                assert plan.positions[o, j, c:].eq(plan.seq_len).all()
+                if plan.groups is None:
+                    if c:
+                        out[o].append(tuple(members))
+                    continue
+                starts, ends = plan.groups[:, o, j, :c].tolist()
+                for m in range(c):
+                    assert starts[m] <= m < ends[m] <= c
+                    if starts[m] == m:
+                        run = members[m:ends[m]]
+                        assert run == sorted(run) and all(starts[x] == m for x in range(m, ends[m]))
+                        out[o].append(tuple(run))
+    return {o: sorted(v) for o, v in out.items()}
+
+
+SET_LAYOUTS = {**{f"packed_{k}": v for k, v in PACKED.items()},
+               **{f"padded_{k}": v for k, v in PADDED.items()}}
+
+
+@pytest.mark.parametrize("layout", list(SET_LAYOUTS))
+def test_sequence_plans_read_nothing_on_the_host(layout, monkeypatch):
+    """The plans of position_ids are built without a host read, which on a GPU would wait for
+    it (the check of CPU positions aside, which a GPU call skips); their sizes follow from
+    B * N alone (T // w whole sets, T // (w / r) + 1 bins of 2 w / r slots); and they hold
+    exactly section 5's sets, each once, the short ones as groups of the bins."""
     from hilbert_fx.lowering import sequences
-    cu = cu_seqlens_of(CU_LAYOUTS[layout], N)
-    positions = sequences.positions_with_bound(cu, 2, N, "cpu")
-    assert sequences.positions_with_bound(cu, 2, N, "cpu") is positions  # once per tensor
-    segs, rates = (4, 8), (1, 2)
-    counted = sequences.sequence_plans(positions, segs, rates, True)
-    sequences.tables(4, 1, True, "cpu"), sequences.tables(8, 2, True, "cpu")
+    positions = position_ids_of(SET_LAYOUTS[layout], N)
+    segs, rates = (3, 4, 8), (1, 2, 2)
+    for w, r in zip(segs, rates):
+        sequences.tables(w, r, True, "cpu")
+    monkeypatch.setattr(sequences, "_check_positions", lambda positions: None)
 
     def read(*args, **kwargs):
-        raise AssertionError("a host read while building the plans of cu_seqlens")
+        raise AssertionError("a host read while building the plans")
     for name in ("tolist", "item", "__bool__", "__int__", "__index__", "__float__"):
         monkeypatch.setattr(torch.Tensor, name, read)
-    bounded = sequences.plans_of(positions.expand(2, N), segs, rates, True)
+    plans = sequences.sequence_plans(positions, segs, rates, True)
     monkeypatch.undo()
-    for a, b in zip(counted, bounded):
-        s = a.num_segments
-        assert b.num_segments == 2 * N // a.segment_length + cu.numel() - 1 >= s
-        assert torch.equal(b.positions[:, :s], a.positions)
-        assert torch.equal(b.counts[:, :s], a.counts) and not b.counts[:, s:].any()
-        assert b.complete == (int(cu[-1]) == 2 * N) == a.complete
+    total = positions.numel()
+    for i, (w, r) in enumerate(zip(segs, rates)):
+        whole, short = plans[2 * i], plans[2 * i + 1]
+        assert whole.positions.shape == (r, total // w, w // r) and whole.groups is None
+        assert short.positions.shape == (r, total // (w // r) + 1, 2 * w // r)
+        assert planned_sets([whole, short], r) == expected_sets(positions, w, r, True)
 
 
 def test_cu_seqlens_under_inference_mode():
@@ -647,6 +694,8 @@ TRITON_CASES = {  # few and small: the kernels run under the interpreter on CPU
                            position_ids=position_ids_of(PACKED["ragged"], N)),
     "padded_causal_gqa": dict(B=2, Hq=4, Hkv=2, Nq=N, Nk=N, hilbert=False, causal=True,
                               position_ids=position_ids_of(PADDED["between"], N)),
+    "short_documents_causal_gqa": dict(B=2, Hq=4, Hkv=2, Nq=N, Nk=N, hilbert=True, causal=True,
+                                       position_ids=position_ids_of(PACKED["short"], N)),
     "cu_seqlens": dict(B=2, Hq=2, Hkv=2, Nq=N, Nk=N, hilbert=True, causal=True,
                        cu_seqlens=cu_seqlens_of(CU_LAYOUTS["tail_padding"], N),
                        ref_position_ids=position_ids_of(CU_LAYOUTS["tail_padding"], N)),
