@@ -100,21 +100,23 @@ def _make_blocks(plan: BranchPlan, num_heads: int) -> list[Block]:
         # to cut it would wait for the GPU)
         groups = None if plan.groups is None else plan.groups[0].index_select(0, heads)
         return [Block(positions, positions < n, True, groups=groups)]
-    if plan.groups is not None:  # on the CPU: the sets that hold members, cut to the longest
+    if not plan.complete:  # on the CPU: the sets that hold members (their plans leave room)
         used = (counts > 0).any(0).nonzero().view(-1)
-        length = int(counts.max()) if used.numel() else 0
-        if length == 0:
+        if used.numel() == 0:
             return []
-        positions = positions[:, used, :length]
-        groups = plan.groups[0].index_select(0, heads)[:, used, :length]
-        return [Block(positions, positions < n, True, groups=groups)]
+        positions, counts = positions[:, used], counts[:, used]
+        if plan.groups is not None:  # cut to the longest
+            length = int(counts.max())
+            positions = positions[..., :length]
+            groups = plan.groups[0].index_select(0, heads)[:, used, :length]
+            return [Block(positions, positions < n, True, groups=groups)]
     full = counts == plan.set_size
     if bool(full.all()):
         return [Block(positions, positions < n, False)]
     if not bool(full[:, :-1].all()):  # partial sets anywhere (packed rows): one padded block
         return [Block(positions, positions < n, True)]
     blocks = []
-    if plan.num_segments > 1:
+    if positions.shape[1] > 1:
         full = positions[:, :-1]
         blocks.append(Block(full, full < n, False))
     length = int(counts[:, -1].max())

@@ -69,14 +69,16 @@ def sequence_plans(positions: Tensor, segment_lengths, dilation_rates,
     position 0 of its batch row, padding skipped); its in-segment position p % w decides its
     offset class and its place in the class (plans.class_of).
 
-    - Whole segments (all w positions present) get a set each, as plain rows do: at most
-      T // w of them; the sets past the real ones are empty.
-    - The others (a sequence's last segment, cut short) hold fewer than w / r = m members per
-      class, and there may be as many of them as sequences. Per class, their members are laid
-      one segment after the other in a stream; bin b takes the segments whose first member
-      falls in stream slots [b m, (b + 1) m), so it spans fewer than 2 m slots, and its segments
-      are groups of one set of 2 m slots that do not see each other (BranchPlan.groups). At
-      most T // m + 1 bins, however many sequences the rows hold.
+    - Segments get a set each, as plain rows do, the whole ones (all w positions present)
+      first, then those cut short (a sequence's last), in order: T // w + T // (w / r) + 1
+      sets, room for every whole segment and for T // (w / r) + 1 short ones; the sets past
+      the real ones are empty.
+    - Short segments past those (more sequences than that) hold fewer than w / r = m members
+      per class. Per class, their members are laid one segment after the other in a stream;
+      bin b takes the segments whose first member falls in stream slots [b m, (b + 1) m), so
+      it spans fewer than 2 m slots, and its segments are groups of one set of 2 m slots that
+      do not see each other (BranchPlan.groups). At most T // m + 1 bins, however many
+      sequences the rows hold.
 
     A segment's members of a class are a prefix of the class's members (its positions are
     0 .. L - 1), so they take slots 0 .. count - 1 of their set or group, in ascending order.
@@ -99,20 +101,23 @@ def sequence_plans(positions: Tensor, segment_lengths, dilation_rates,
         segment = torch.where(inside, segment, total)  # segment `total`: a spare, dropped
         size = torch.zeros(total + 1, dtype=torch.int64, device=device)
         size.index_add_(0, segment, torch.ones_like(segment))
-        whole = (size == w) & (torch.arange(total + 1, device=device) < total)
-        in_whole = whole[segment]
-        at = (w, r, total, tokens, cls, slot, segment, hilbert)
-        plans.append(_whole_segments(*at, whole, in_whole))
-        plans.append(_short_segments(*at, inside & ~in_whole))
+        size[total] = 0
+        whole, short = size == w, (size > 0) & (size != w)
+        s = total // w + total // (w // r) + 1
+        index = torch.where(whole, torch.cumsum(whole, 0) - 1,
+                            whole.sum() + torch.cumsum(short, 0) - 1)  # whole ones first
+        index = torch.where(whole | short, index, s)[segment]
+        in_set = inside & (index < s)
+        at = (w, r, total, tokens, cls, slot, segment)
+        plans.append(_segment_sets(*at, hilbert, torch.where(in_set, index, s), s))
+        plans.append(_binned_segments(*at, hilbert, inside & ~in_set))
     return plans
 
 
-def _whole_segments(w, r, total, tokens, cls, slot, segment, hilbert, whole, in_whole):
-    """The plan of the whole segments: the i-th whole segment's classes are sets (o, i)."""
-    m, s = w // r, total // w
-    index = torch.cumsum(whole, 0) - 1  # of each segment among the whole ones
-    index = torch.where(in_whole, index[segment], s)
-    index = torch.where(index < s, index, s)  # only positions not counting 0, 1, ... go past
+def _segment_sets(w, r, total, tokens, cls, slot, segment, hilbert, index, s):
+    """The plan of the segments that get a set each: token t's segment is set `index[t]` (s:
+    none)."""
+    m = w // r
     pos = torch.full((r, s + 1, m), total, dtype=torch.int64, device=tokens.device)
     pos.index_put_((cls, index, slot), tokens)
     cnt = torch.zeros(r, s + 1, dtype=torch.int64, device=tokens.device)
@@ -121,11 +126,11 @@ def _whole_segments(w, r, total, tokens, cls, slot, segment, hilbert, whole, in_
     return BranchPlan(w, r, total, pos, cnt, strided=False, complete=False, hilbert=bool(hilbert))
 
 
-def _short_segments(w, r, total, tokens, cls, slot, segment, hilbert, short):
-    """The plan of the segments cut short, in bins (see sequence_plans)."""
+def _binned_segments(w, r, total, tokens, cls, slot, segment, hilbert, binned):
+    """The plan of the segments that get no set of their own, in bins (see sequence_plans)."""
     m, s = w // r, total // (w // r) + 1
     device = tokens.device
-    seg = torch.where(short, segment, total)
+    seg = torch.where(binned, segment, total)
     count = torch.zeros(r, total + 1, dtype=torch.int64, device=device)
     count.index_put_((cls, seg), torch.ones_like(tokens), accumulate=True)
     count = count[:, :total].clamp_(max=m)  # [r, segments]: members of each class
@@ -138,7 +143,7 @@ def _short_segments(w, r, total, tokens, cls, slot, segment, hilbert, short):
     cnt = torch.zeros(r, s + 1, dtype=torch.int64, device=device)
     cnt.scatter_reduce_(1, bin_of, end, "amax")
     seg = seg.clamp(max=total - 1)
-    where = (cls, torch.where(short, bin_of[cls, seg], s),
+    where = (cls, torch.where(binned, bin_of[cls, seg], s),
              (start[cls, seg] + slot).clamp(max=2 * m - 1))
     pos = torch.full((r, s + 1, 2 * m), total, dtype=torch.int64, device=device)
     pos.index_put_(where, tokens)

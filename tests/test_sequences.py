@@ -642,8 +642,8 @@ SET_LAYOUTS = {**{f"packed_{k}": v for k, v in PACKED.items()},
 def test_sequence_plans_read_nothing_on_the_host(layout, monkeypatch):
     """The plans of position_ids are built without a host read, which on a GPU would wait for
     it (the check of CPU positions aside, which a GPU call skips); their sizes follow from
-    B * N alone (T // w whole sets, T // (w / r) + 1 bins of 2 w / r slots); and they hold
-    exactly section 5's sets, each once, the short ones as groups of the bins."""
+    B * N alone (T // w + T // (w / r) + 1 sets, T // (w / r) + 1 bins of 2 w / r slots); and
+    they hold exactly section 5's sets, each once, those past the sets as groups of the bins."""
     from hilbert_fx.lowering import sequences
     positions = position_ids_of(SET_LAYOUTS[layout], N)
     segs, rates = (3, 4, 8), (1, 2, 2)
@@ -659,10 +659,13 @@ def test_sequence_plans_read_nothing_on_the_host(layout, monkeypatch):
     monkeypatch.undo()
     total = positions.numel()
     for i, (w, r) in enumerate(zip(segs, rates)):
-        whole, short = plans[2 * i], plans[2 * i + 1]
-        assert whole.positions.shape == (r, total // w, w // r) and whole.groups is None
-        assert short.positions.shape == (r, total // (w // r) + 1, 2 * w // r)
-        assert planned_sets([whole, short], r) == expected_sets(positions, w, r, True)
+        sets, bins = plans[2 * i], plans[2 * i + 1]
+        m = w // r
+        assert sets.positions.shape == (r, total // w + total // m + 1, m) and sets.groups is None
+        assert bins.positions.shape == (r, total // m + 1, 2 * m)
+        assert planned_sets([sets, bins], r) == expected_sets(positions, w, r, True)
+        if layout == "packed_short" and w == 8:  # 13 segments for 10 sets: bins hold some
+            assert bins.counts.sum() > 0
 
 
 def test_cu_seqlens_under_inference_mode():

@@ -156,13 +156,13 @@ def _kernel_params(kernel):
     return names
 
 
-SHARED = ["Q", "K", "V", "DO", "Pos", "Cnt", "Mask", "Seed", "Rows",
+SHARED = ["Q", "K", "V", "DO", "Pos", "Cnt", "Grp", "Mask", "Seed", "Rows",
           "stride_qb", "stride_qh", "stride_qn", "stride_qd",
           "stride_kb", "stride_kh", "stride_kn", "stride_kd",
           "stride_vb", "stride_vh", "stride_vn", "stride_vd",
           "stride_dob", "stride_doh", "stride_don", "stride_dod",
           "stride_mb", "stride_mh", "stride_mq", "stride_mk",
-          "stride_po", "stride_ps", "stride_pm", "stride_co", "stride_cs",
+          "stride_po", "stride_ps", "stride_pm", "stride_co", "stride_cs", "stride_pg",
           "H", "HKV", "N", "GROUP", "SEG", "R", "qk_scale", "scale", "keep_threshold", "drop_scale"]
 
 
