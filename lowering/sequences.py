@@ -101,8 +101,9 @@ def sequence_plans(positions: Tensor, segment_lengths, dilation_rates,
         segment = torch.where(inside, segment, total)  # segment `total`: a spare, dropped
         size = torch.zeros(total + 1, dtype=torch.int64, device=device)
         size.index_add_(0, segment, torch.ones_like(segment))
-        size[total] = 0
-        whole, short = size == w, (size > 0) & (size != w)
+        # segment `total` is no segment (size[total] = 0 would copy the 0 from the host)
+        real = torch.arange(total + 1, device=device) < total
+        whole, short = real & (size == w), real & (size > 0) & (size != w)
         s = total // w + total // (w // r) + 1
         index = torch.where(whole, torch.cumsum(whole, 0) - 1,
                             whole.sum() + torch.cumsum(short, 0) - 1)  # whole ones first
