@@ -70,9 +70,9 @@ def sequence_plans(positions: Tensor, segment_lengths, dilation_rates,
     offset class and its place in the class (plans.class_of).
 
     - Segments get a set each, as plain rows do, the whole ones (all w positions present)
-      first, then those cut short (a sequence's last), in order: T // w + T // (w / r) + 1
-      sets, room for every whole segment and for T // (w / r) + 1 short ones; the sets past
-      the real ones are empty.
+      first, then those cut short (a sequence's last), in order: 2 (T // w) + 1 sets, room for
+      every whole segment and for T // w + 1 short ones; the sets past the real ones are empty
+      (each still costs the kernels a program that ends at once, so the room is not larger).
     - Short segments past those (more sequences than that) hold fewer than w / r = m members
       per class. Per class, their members are laid one segment after the other in a stream;
       bin b takes the segments whose first member falls in stream slots [b m, (b + 1) m), so
@@ -104,7 +104,7 @@ def sequence_plans(positions: Tensor, segment_lengths, dilation_rates,
         # segment `total` is no segment (size[total] = 0 would copy the 0 from the host)
         real = torch.arange(total + 1, device=device) < total
         whole, short = real & (size == w), real & (size > 0) & (size != w)
-        s = total // w + total // (w // r) + 1
+        s = 2 * (total // w) + 1
         index = torch.where(whole, torch.cumsum(whole, 0) - 1,
                             whole.sum() + torch.cumsum(short, 0) - 1)  # whole ones first
         index = torch.where(whole | short, index, s)[segment]
