@@ -117,6 +117,30 @@ def test_packed_documents_equal_each_document_alone(family):
     assert (alone[1][0] - dense).abs().max() > 1e-3
 
 
+def test_new_documents_compile_nothing():
+    """Batches of other documents (the same length) run the graph compiled for the first: the
+    plans come from position_ids at run time, so nothing is specialised on the documents; each
+    batch's logits equal its documents alone."""
+    model = model_of("llama")
+    collate = transformers.DataCollatorWithFlattening()
+    torch._dynamo.reset()
+    be = recording_backend(W, R)
+    compiled = torch.compile(model, backend=be)
+    alone_be = recording_backend(W, R)  # the documents alone: graphs of their own lengths
+    compiled_alone = torch.compile(model, backend=alone_be)
+    for layout, lengths in enumerate([(13, 21, 9), (43,), (1, 17, 2, 23), (5,) * 7 + (8,)]):
+        docs = [tokens(n, 10 * layout + i) for i, n in enumerate(lengths)]
+        batch = collate([{"input_ids": d[0].tolist()} for d in docs])
+        with torch.no_grad():
+            packed = compiled(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                              use_cache=False).logits
+            alone = torch.cat([compiled_alone(input_ids=d, use_cache=False).logits
+                               for d in docs], 1)
+        torch.testing.assert_close(packed, alone, atol=ATOL, rtol=RTOL)
+    assert len(be.records) == 1, [[s.sequences for s in r.sites] for r in be.records]
+    assert all(s.sequences is not None for s in be.records[0].sites)
+
+
 def test_packed_documents_under_gradient_checkpointing():
     """transformers' gradient checkpointing puts each layer in a checkpointed region, the mask
     built outside: the packed structure is computed outside and passed into every region, and
