@@ -92,6 +92,8 @@ def sequence_plans(positions: Tensor, segment_lengths, dilation_rates,
     tokens = torch.arange(total, device=device)
     valid = flat >= 0
     p = flat.clamp(min=0)
+    # segment `total` is the spare, no segment (size[total] = 0 would copy the 0 from the host)
+    real = torch.arange(total + 1, device=device) < total
     plans = []
     for w, r in zip(segment_lengths, dilation_rates):
         table = tables(w, r, hilbert, device)[1]
@@ -101,8 +103,6 @@ def sequence_plans(positions: Tensor, segment_lengths, dilation_rates,
         segment = torch.where(inside, segment, total)  # segment `total`: a spare, dropped
         size = torch.zeros(total + 1, dtype=torch.int64, device=device)
         size.index_add_(0, segment, torch.ones_like(segment))
-        # segment `total` is no segment (size[total] = 0 would copy the 0 from the host)
-        real = torch.arange(total + 1, device=device) < total
         whole, short = real & (size == w), real & (size > 0) & (size != w)
         s = 2 * (total // w) + 1
         index = torch.where(whole, torch.cumsum(whole, 0) - 1,

@@ -46,7 +46,9 @@ are read once (lowering/tuning.py).
 Plans may hold several sequences in one row (lowering/sequences.py): a set is then partial in
 any segment or empty (count 0), and padding rows are in no set (plan.complete is False). The
 kernels read each set's count and skip tiles past it, so they run such plans unchanged; only
-the choice of which branch writes the final result in place depends on completeness.
+the choice of which branch writes the final result in place depends on completeness. Sets that
+hold several short segments as groups (plan.groups) run the kernels' GROUPED variant, which
+masks each row to its group.
 
 On Hopper (compute capability 9.x, Triton 3.6) a branch runs instead on FlashAttention-3's
 warp-specialised schedules written in Gluon (lowering/gluon_forward.py says when: no mask, no
