@@ -83,6 +83,9 @@ class BranchPlan:
     # Several short segments then share one set, which bounds the number of sets by N
     # (lowering/sequences.py); slots past the count hold -1. None: the whole set is one group.
     groups: Optional[torch.Tensor] = None
+    # (branch, parts): one of `parts` plans built together for one branch (lowering/sequences.py),
+    # which between them hold every row that is not padding, each row in one of them
+    part_of: Optional[tuple] = None
 
     @property
     def num_segments(self) -> int:

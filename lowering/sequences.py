@@ -17,6 +17,7 @@ place where it meets the lowerings is `plan_of` below:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from dataclasses import dataclass
@@ -95,7 +96,7 @@ def sequence_plans(positions: Tensor, segment_lengths, dilation_rates,
     # segment `total` is the spare, no segment (size[total] = 0 would copy the 0 from the host)
     real = torch.arange(total + 1, device=device) < total
     plans = []
-    for w, r in zip(segment_lengths, dilation_rates):
+    for branch, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
         table = tables(w, r, hilbert, device)[1]
         cls, slot = table[0, p % w], table[1, p % w]
         segment = torch.cumsum(valid & (p % w == 0), 0) - 1
@@ -110,8 +111,9 @@ def sequence_plans(positions: Tensor, segment_lengths, dilation_rates,
         index = torch.where(whole | short, index, s)[segment]
         in_set = inside & (index < s)
         at = (w, r, total, tokens, cls, slot, segment)
-        plans.append(_segment_sets(*at, hilbert, torch.where(in_set, index, s), s))
-        plans.append(_binned_segments(*at, hilbert, inside & ~in_set))
+        parts = (_segment_sets(*at, hilbert, torch.where(in_set, index, s), s),
+                 _binned_segments(*at, hilbert, inside & ~in_set))
+        plans += [dataclasses.replace(plan, part_of=(branch, len(parts))) for plan in parts]
     return plans
 
 

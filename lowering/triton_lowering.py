@@ -501,12 +501,13 @@ class _Forward:
         self.steps = []
         if self.empty:
             return
-        order, self.covers = _forward_order(plans)
-        self.single = self.covers and len(order) == 1
+        order, final, self.zeroed = _forward_order(plans)
+        self.covers = final > 0
+        self.single = final == len(order) == 1
         kern = _kernels()
         cfg = call.tiles("fwd")
         for i, plan in enumerate(order):
-            first, last = i == 0, self.covers and i == len(order) - 1
+            first, last = i == 0, i >= len(order) - final
             br = call.branch(plan)
             if gluon_forward.unsupported(call.q, call.k, call.v, plan, is_causal=call.is_causal,
                                          mask_kind=call.mask_kind, dropout=call.dropout,
@@ -528,7 +529,9 @@ class _Forward:
         bufs[Q.index], bufs[K.index], bufs[V.index] = q, k, v
         if attn_mask is not None or dropout_p > 0.0:
             _call_tensors(bufs, *self.rows, device, attn_mask, dropout_p, seed, dropout_rows)
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
+        # zeroed: the padding rows, which no branch writes
+        out = (torch.zeros if self.zeroed else torch.empty)(self.out_shape, dtype=self.dtype,
+                                                             device=device)
         acc = out if self.single else torch.empty(self.out_shape, dtype=torch.float32,
                                                   device=device)
         bufs[OUT.index], bufs[ACC.index], bufs[LSE.index] = out, acc, lse
@@ -594,7 +597,8 @@ class _Backward:
         kern = _kernels()
         det = call.knobs.deterministic()
         atomic = call.knobs.atomic_dq and not det
-        order, covers = _forward_order(plans)
+        order, final, self.zeroed = _forward_order(plans)
+        covers = final > 0
         hopper = [gluon_backward.unsupported(q, k, v, plan, is_causal=call.is_causal,
                                              mask_kind=call.mask_kind, dropout=call.dropout,
                                              scale=call.scale, deterministic=det) is None
@@ -629,7 +633,7 @@ class _Backward:
         self.dout_copy = False
         for i, plan in enumerate(order):
             br = call.branch(plan)
-            first, last = i == 0, covers and i == len(order) - 1
+            first, last = i == 0, i >= len(order) - final
             seen_q, seen_kv = _seen_rows(order[:i], hq, hkv, q.device) if i else (nothing,
                                                                                    nothing)
             if hopper[i]:
@@ -678,7 +682,8 @@ class _Backward:
             _call_tensors(bufs, *self.rows, device, attn_mask, dropout_p, seed, dropout_rows)
         bufs[DELTA.index] = torch.empty(self.rows, dtype=torch.float32, device=device)
         bufs[LSE2.index] = torch.empty(self.rows, dtype=torch.float32, device=device)
-        grads = [torch.empty(shape, dtype=dtype, device=device) if used else self.unused
+        make = torch.zeros if self.zeroed else torch.empty  # zeroed: the padding rows
+        grads = [make(shape, dtype=dtype, device=device) if used else self.unused
                  for shape, dtype, used in self.final]
         bufs[DQ_FINAL.index], bufs[DK_FINAL.index], bufs[DV_FINAL.index] = grads
         if self.alone:

@@ -60,14 +60,29 @@ def complete(plan: BranchPlan) -> bool:
 
 
 def forward_order(plans):
-    """(order, covers): branches with r > 1 first; a complete one with r == 1 (it selects every
-    row, so it may write the final result in place) last, when there is one (covers)."""
-    last = next((p for p in plans if p.dilation_rate == 1 and complete(p)), None)
-    if last is None:
-        return list(plans), False
-    rest = [p for p in plans if p is not last]
-    return [p for p in rest if p.dilation_rate != 1] + [p for p in rest if p.dilation_rate == 1] \
-        + [last], True
+    """(order, last, zeroed): branches with r > 1 first, then those with r == 1; the `last`
+    plans at the end write the final result in place, each its own rows. They are a complete
+    plan with r == 1 (it selects every row), or else the r == 1 plans built together for one
+    branch of rows that hold several sequences (BranchPlan.part_of), which between them select
+    every row but padding: then `zeroed`, the final buffers start at 0 for the padding rows that
+    nobody writes. last is 0 where no plan or group selects every row."""
+    final = next(([p] for p in plans if p.dilation_rate == 1 and complete(p)), None)
+    if final is None:
+        final = _parts_of_a_branch(plans)
+    rest = [p for p in plans if all(p is not f for f in final)]
+    order = [p for p in rest if p.dilation_rate != 1] + [p for p in rest if p.dilation_rate == 1]
+    return order + final, len(final), bool(final) and not complete(final[0])
+
+
+def _parts_of_a_branch(plans) -> list:
+    """The plans of the first branch with r == 1 built in parts, if all its parts are here."""
+    for plan in plans:
+        part = getattr(plan, "part_of", None)
+        if plan.dilation_rate == 1 and part is not None:
+            parts = [p for p in plans if getattr(p, "part_of", None) == part]
+            if len(parts) == part[1]:
+                return parts
+    return []
 
 
 _seen_cache: dict = {}

@@ -141,17 +141,27 @@ def test_packed_plans_atomic_dq(atomic_dq, monkeypatch):
         assert_matches(a, b.float(), f"d{name}", scale=sc)
 
 
-def test_forward_order_needs_a_complete_r1_branch():
-    """Only a complete r == 1 branch may write the final result in place (covers): with padding,
-    rows nobody writes would stay as torch.empty left them."""
+def test_forward_order_writes_in_place_only_what_covers_every_real_row():
+    """The final result is written in place by a complete r == 1 plan, or by the r == 1 plans
+    built together for one branch of packed rows (all of them: they hold every real row between
+    them), into buffers zeroed for the padding rows; a part alone never."""
     from hilbert_fx.lowering.triton_lowering import _forward_order
+    from hilbert_fx.lowering.sequences import sequence_plans
     n, documents, segs, rates = LAYOUTS["padded"]
-    plans = packed_plans(n, documents, segs, rates, False)
-    order, covers = _forward_order(plans)
-    assert not covers and sorted(id(p) for p in order) == sorted(id(p) for p in plans)
+    positions = torch.full((1, n), -1)
+    for start, length in documents:
+        positions[0, start:start + length] = torch.arange(length)
+    plans = sequence_plans(positions, segs, rates, False)
+    parts = [p for p in plans if p.dilation_rate == 1]
+    assert len(parts) == 2 and parts[0].part_of == parts[1].part_of
+    order, last, zeroed = _forward_order(plans)
+    assert last == 2 and zeroed and order[-2:] == parts
+    assert sorted(id(p) for p in order) == sorted(id(p) for p in plans)
+    order, last, zeroed = _forward_order([p for p in plans if p is not parts[1]])
+    assert last == 0 and not zeroed
     full = branch_plan(n, 8, 1, False)
-    order, covers = _forward_order(plans + [full])
-    assert covers and order[-1] is full
+    order, last, zeroed = _forward_order(plans + [full])
+    assert last == 1 and not zeroed and order[-1] is full
 
 
 def test_hopper_refuses_incomplete_plans_from_fields():
