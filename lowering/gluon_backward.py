@@ -112,5 +112,6 @@ def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, fi
             positions.stride(0), positions.stride(1), counts, counts.stride(0), counts.stride(1),
             *coords]
     kwargs = dict(R=r, HEAD_D=d, CAUSAL=bool(is_causal), FIRST=first, LAST=last,
-                  ONE_HEAD=group <= r, PARTIAL=partial, **_TILES, **regs)
+                  ONE_HEAD=group <= r, PARTIAL=partial,
+                  CHUNK=gluon_forward.chunk_sets(grid, is_causal), **_TILES, **regs)
     return kern._bwd_kernel, grid, args, kwargs

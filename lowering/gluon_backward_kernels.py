@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                               tma, warpgroup_mma, warpgroup_mma_wait)
 
-from .gluon_kernels import CONSUMERS, _boxes, _gather_rows, _mma_layout, _tma_rows
+from .gluon_kernels import CONSUMERS, _boxes, _gather_rows, _mma_layout, _scheduled, _tma_rows
 
 KEYS = gl.constexpr(64)  # keys a consumer owns; a CTA owns CONSUMERS * KEYS
 
@@ -307,8 +307,10 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
                 FIRST: gl.constexpr, LAST: gl.constexpr, ONE_HEAD: gl.constexpr,
                 RUN: gl.constexpr, PARTIAL: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                num_warps: gl.constexpr):
-    """Grid (set length / 128, segments, B * HKV * NUM_CLASSES): the key tile runs fastest.
+                CHUNK: gl.constexpr, num_warps: gl.constexpr):
+    """Grid (set length / 128, segments, B * HKV * NUM_CLASSES): the key tile runs fastest;
+    under CAUSAL the first key tiles (the longest: they meet every query tile after them) run
+    first, the sets in chunks of CHUNK (lowering/gluon_kernels.py's `_scheduled`).
     Program (tile, j, (b, g, cls)) owns keys tile * 128 + [0, 128) of set j of kv head g with
     offset o = (g * GROUP + cls) % R, for query heads g * GROUP + cls + i * R of the group.
 
@@ -320,9 +322,12 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     with boxes of RUN rows. Lse2, Delta, DQ are contiguous over [B, H, N], DK, DV, DKO, DVO over
     [B, HKV, N], Seen over [HKV, N]. PARTIAL (GATHER, RUN == 0): set j of offset o has
     Cnt[o, j] members (a packed row's plan); programs past it end at once."""
-    key_tile = gl.program_id(0)
-    seg = gl.program_id(1)
-    pid = gl.program_id(2)
+    if CAUSAL:
+        key_tile, seg, pid = _scheduled(CHUNK)
+    else:
+        key_tile = gl.program_id(0)
+        seg = gl.program_id(1)
+        pid = gl.program_id(2)
     cls = pid % NUM_CLASSES
     bg = pid // NUM_CLASSES
     b = bg // HKV

@@ -48,6 +48,22 @@ _TILES = {64: dict(BLOCK_M=64, BLOCK_N=BLOCK_N, STAGES=3), 128: dict(BLOCK_M=64,
 # 6 to 7% (D = 64) fewer cycles than two at 56 (the r = 4 and 8 Hilbert branches at N = 64K, ncu
 # on an H200, git show f7b4958:BENCHMARKS.md)
 _TMA_PRODUCER = dict(PRODUCER_WARPS=1, PRODUCER_REGS=24, CONSUMER_REGS=240, num_warps=4)
+# causal launches run in chunks of up to this many sets, the longest tiles first (gluon_kernels'
+# _scheduled; 1: grid order). In a list-scheduling model of 132 SMs, grid order left the last
+# wave 3% (256 sets a launch) to 26% (32 sets) over the balanced time, chunks of 16 sets 1 to 3%.
+CHUNK_SETS = 16
+
+
+def chunk_sets(grid, is_causal: bool) -> int:
+    """The chunk of `_scheduled` for a launch of `grid` (tiles, segments, third): the largest
+    power of two up to CHUNK_SETS that divides the number of sets (a constant divisor in the
+    kernel); 1 where the tiles are alike (not causal), which reads nothing of it."""
+    if not is_causal:
+        return 1
+    sets, chunk = grid[1] * grid[2], 1
+    while chunk * 2 <= CHUNK_SETS and sets % (chunk * 2) == 0:
+        chunk *= 2
+    return chunk
 _GATHER_PRODUCER = dict(PRODUCER_WARPS=4, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4)
 
 _kernels = None
@@ -344,5 +360,5 @@ def prepare(q, k, v, plan, positions, *, is_causal: bool, scale: float, first: b
             positions.stride(0), positions.stride(1), counts, counts.stride(0), counts.stride(1),
             *coords]
     kwargs = dict(FIRST=first, LAST=last, CAUSAL=bool(is_causal), HEAD_D=d, PARTIAL=partial,
-                  **tiles, **regs)
+                  CHUNK=chunk_sets(grid, is_causal), **tiles, **regs)
     return kern._fwd_kernel, grid, args, kwargs

@@ -360,6 +360,25 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
 
 
 @gluon.jit
+def _scheduled(CHUNK: gl.constexpr):
+    """(rank, segment, program of the third grid dimension) of this CTA under causal masks,
+    whose tiles differ in work: the longest tile of a set has 16 times the shortest's at sets
+    of 2048. The grid (tiles, segments, third) is read as chunks of CHUNK sets (CHUNK divides
+    segments * third: lowering/gluon_forward.chunk_sets); within a chunk, the CTAs of rank 0
+    (each set's longest tile, the caller's choice which) run first, then rank 1, ..., so the
+    last wave of a launch holds its shortest tiles rather than some of its longest
+    (longest-first scheduling, as FlashAttention-3's causal scheduler). A chunk's sets run
+    together and share their rows in L2, as a set's tiles did in grid order."""
+    tiles = gl.num_programs(0)
+    segments = gl.num_programs(1)
+    linear = gl.program_id(0) + tiles * (gl.program_id(1) + segments * gl.program_id(2))
+    chunk = linear // (CHUNK * tiles)
+    within = linear - chunk * (CHUNK * tiles)
+    set_index = chunk * CHUNK + within % CHUNK
+    return within // CHUNK, set_index % segments, set_index // segments
+
+
+@gluon.jit
 def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
                 H, N, GROUP, R: gl.constexpr, W, stride_po, stride_ps, Cnt, stride_co, stride_cs,
                 QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD,
@@ -368,10 +387,11 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
                 GATHER: gl.constexpr, CAUSAL: gl.constexpr, RUN: gl.constexpr,
                 PARTIAL: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                num_warps: gl.constexpr):
+                CHUNK: gl.constexpr, num_warps: gl.constexpr):
     """Grid (set length / (2 * BLOCK_M), segments, B * H): the query tile runs fastest, so the
     CTAs of one set run together and share its keys and values in L2. Under CAUSAL the query
-    tiles run last to first (the longest first) and each stops at its diagonal key tile.
+    tiles run last to first (the longest first), the sets in chunks of CHUNK (`_scheduled`), and
+    each tile stops at its diagonal key tile.
 
     Strided sets (not GATHER): Qx, Kx, Vx are TMA descriptors of the 2-D views and (A, B, C, D)
     of each are (RB, RH, CH, CO) above. GATHER: member m of set j of offset o is at Pos[o, j, m];
@@ -379,11 +399,13 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     (the members come in stride-R runs of RUN), descriptors as above with boxes of RUN rows.
     PARTIAL (GATHER, RUN == 0): set j of offset o has Cnt[o, j] members (a packed row's plan);
     CTAs past it end at once, the others stop at its last key tile."""
-    tile = gl.program_id(0)
     if CAUSAL:
-        tile = gl.num_programs(0) - 1 - tile
-    seg = gl.program_id(1)
-    bh = gl.program_id(2)
+        rank, seg, bh = _scheduled(CHUNK)
+        tile = gl.num_programs(0) - 1 - rank
+    else:
+        tile = gl.program_id(0)
+        seg = gl.program_id(1)
+        bh = gl.program_id(2)
     b = bh // H
     h = bh % H
     hk = h // GROUP

@@ -148,3 +148,18 @@ def test_run_boxes_hold_exactly_the_runs_rows(layout):
                     row, col = bi * rb + h * rh + p // r, (p % r) * co + h * ch
                     box = view[row:row + run, col:col + d]
                     assert torch.equal(box, x[bi, h, pos[o, j, c * run:(c + 1) * run]]), (h, j, c)
+
+
+def test_causal_launches_schedule_sets_in_chunks_that_divide_them():
+    """gluon_kernels._scheduled reads the grid as chunks of chunk_sets(...) sets, a constant
+    divisor: it must divide the number of sets (segments * third grid dimension), be a power of
+    two up to CHUNK_SETS, and be 1 where tiles are alike (not causal)."""
+    gf = gluon_forward
+    for tiles, segments, third in [(16, 16, 16), (4, 3, 3), (8, 2, 6), (16, 1, 1), (2, 5, 64)]:
+        chunk = gf.chunk_sets((tiles, segments, third), True)
+        sets = segments * third
+        assert sets % chunk == 0 and chunk & (chunk - 1) == 0 and chunk <= gf.CHUNK_SETS
+        assert chunk == gf.CHUNK_SETS or sets % (2 * chunk) or 2 * chunk > gf.CHUNK_SETS
+        assert gf.chunk_sets((tiles, segments, third), False) == 1
+    assert gf.chunk_sets((16, 16, 16), True) == 16 and gf.chunk_sets((4, 3, 3), True) == 1
+    assert gf.chunk_sets((8, 2, 6), True) == 4
