@@ -78,11 +78,11 @@ def dout_needs_copy(dout, plan) -> bool:
 
 
 def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, first: bool,
-            last: bool, refs) -> tuple:
+            last: bool, refs, plan_refs=None) -> tuple:
     """(kernel, grid, positional arguments, keyword arguments) of `launch` for a dout that needs
     no copy, where refs stand for (q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2,
     delta) in the arguments and a TMA descriptor is a gluon_forward.Descriptor of its tensor's
-    stand-in (as gluon_forward.prepare)."""
+    stand-in, and plan_refs for (positions, counts) (as gluon_forward.prepare)."""
     kern = _load()
     q_ref, k_ref, v_ref, do_ref, *buffers = refs
     b, hq, n, d = q.shape
@@ -108,8 +108,9 @@ def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, fi
         tensors = [q_ref, k_ref, k_ref, v_ref, do_ref]
         coords = [s for x in (q, k, v, dout) for s in (*x.stride()[:3], 0)]
         regs = dict(GATHER=True, RUN=0, **_GATHER_PRODUCER)
-    args = [*tensors, *buffers, positions, scale * LOG2E, scale, hq, hkv, n, group, classes, w,
-            positions.stride(0), positions.stride(1), counts, counts.stride(0), counts.stride(1),
+    pos_arg, cnt_arg = plan_refs or (positions, counts)
+    args = [*tensors, *buffers, pos_arg, scale * LOG2E, scale, hq, hkv, n, group, classes, w,
+            positions.stride(0), positions.stride(1), cnt_arg, counts.stride(0), counts.stride(1),
             *coords]
     kwargs = dict(R=r, HEAD_D=d, CAUSAL=bool(is_causal), FIRST=first, LAST=last,
                   ONE_HEAD=group <= r, PARTIAL=partial,

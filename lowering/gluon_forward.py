@@ -331,11 +331,12 @@ GENUINE_LAUNCH = launch  # lowering/triton_lowering.py calls `launch` itself whe
 
 
 def prepare(q, k, v, plan, positions, *, is_causal: bool, scale: float, first: bool, last: bool,
-            refs) -> tuple:
+            refs, plan_refs=None) -> tuple:
     """(kernel, grid, positional arguments, keyword arguments) of `launch`, where refs stand for
     (q, k, v, out, acc, lse) in the arguments (the tensors themselves, or a lowering's stand-ins
     for a call's tensors) and a TMA descriptor is a `Descriptor` of its tensor's stand-in. q, k,
-    v give shapes, strides and dtype only."""
+    v give shapes, strides and dtype only; so do positions and the plan's counts where plan_refs
+    (positions, counts) stand for them in the arguments (a program's slots of a per-call plan)."""
     kern = _load()
     q_ref, k_ref, v_ref, out, acc, lse = refs
     b, hq, n, d = q.shape
@@ -356,8 +357,9 @@ def prepare(q, k, v, plan, positions, *, is_causal: bool, scale: float, first: b
         tensors = [q_ref, k_ref, v_ref]
         coords = [s for x in (q, k, v) for s in (*x.stride()[:3], 0)]
         regs = dict(GATHER=True, RUN=0, **_GATHER_PRODUCER)
-    args = [*tensors, out, acc, lse, positions, scale * LOG2E, hq, n, hq // k.shape[1], r, w,
-            positions.stride(0), positions.stride(1), counts, counts.stride(0), counts.stride(1),
+    pos_arg, cnt_arg = plan_refs or (positions, counts)
+    args = [*tensors, out, acc, lse, pos_arg, scale * LOG2E, hq, n, hq // k.shape[1], r, w,
+            positions.stride(0), positions.stride(1), cnt_arg, counts.stride(0), counts.stride(1),
             *coords]
     kwargs = dict(FIRST=first, LAST=last, CAUSAL=bool(is_causal), HEAD_D=d, PARTIAL=partial,
                   CHUNK=chunk_sets(grid, is_causal), **tiles, **regs)

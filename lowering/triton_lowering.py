@@ -95,7 +95,7 @@ from .dropout import keep_threshold
 from .plans import BranchPlan
 from .triton_launch import (ACC, DELTA, DK, DK_FINAL, DOUT, DOUT_G, DQ, DQ_FINAL, DROPOUT_ROWS,
                             DV, DV_FINAL, K, LSE, LSE2, LSE_IN, MASK, NUM_SLOTS, OUT, OUT_IN, Q,
-                            SEED, V, Emulated, Launch, launch_stream)
+                            SEED, V, Emulated, Launch, Slot, launch_stream)
 from .triton_plans import POSITION_PAD  # noqa: F401 - tests/test_op_exact.py imports it here
 from .triton_plans import forward_order as _forward_order
 from .triton_plans import plan_tensors as _plan_tensors
@@ -241,19 +241,76 @@ def _on_device(rows: torch.Tensor, device) -> torch.Tensor:
     return (rows if rows.device == device else rows.to(device)).contiguous()
 
 
+def _per_call(plan) -> bool:
+    """Whether a program takes this plan's tensors from each call rather than keeping them: the
+    plans of rows that hold sequences (lowering/sequences.py, `part_of`) come new with every
+    batch, of sizes fixed by the rows, so one program serves every batch of a shape; plain rows'
+    plans live long (their makers cache them) and are the program's constants."""
+    return getattr(plan, "part_of", None) is not None
+
+
+class _PlanInputs:
+    """What a program reads of its per-call plans (`_per_call`), by Slot past the call's own
+    (NUM_SLOTS on): each plan's tensors (triton_plans.plan_tensors), the plan itself (for steps
+    that call a replacement of the Hopper kernels), and the rows earlier branches wrote
+    (triton_plans.seen_rows), filled from the call's plans by `fill`."""
+
+    def __init__(self, plans):
+        self.at = {id(p): i for i, p in enumerate(plans)}  # a plan's place in the call's list
+        self.count = NUM_SLOTS
+        self.tensors, self.plans, self.seen = [], [], []
+
+    def _slot(self, name: str) -> Slot:
+        self.count += 1
+        return Slot(self.count - 1, name)
+
+    def branch(self, plan) -> tuple:
+        """(pos, cnt, groups or None, plan) slots of a per-call plan."""
+        i = self.at[id(plan)]
+        slots = (self._slot(f"pos{i}"), self._slot(f"cnt{i}"),
+                 None if plan.groups is None else self._slot(f"groups{i}"))
+        self.tensors.append((i, slots))
+        plan_slot = self._slot(f"plan{i}")
+        self.plans.append((i, plan_slot))
+        return (*slots, plan_slot)
+
+    def seen_rows(self, before, hq: int, hkv: int) -> tuple:
+        """(query rows, key rows) slots of triton_plans.seen_rows(before)."""
+        slots = (self._slot("seen_q"), self._slot("seen_kv"))
+        self.seen.append((tuple(self.at[id(p)] for p in before), hq, hkv, slots))
+        return slots
+
+    def fill(self, bufs: list, plans, device) -> None:
+        for i, (pos, cnt, groups) in self.tensors:
+            t = _plan_tensors(plans[i], device)
+            bufs[pos.index], bufs[cnt.index] = t[0], t[1]
+            if groups is not None:
+                bufs[groups.index] = t[3]
+        for i, slot in self.plans:
+            bufs[slot.index] = plans[i]
+        for before, hq, hkv, (sq, skv) in self.seen:
+            bufs[sq.index], bufs[skv.index] = _seen_rows([plans[i] for i in before], hq, hkv,
+                                                         device)
+
+
 @dataclass(frozen=True)
 class Branch:
     """One plan as the kernels read it: its positions (int32, padded: triton_plans.plan_tensors)
-    and counts on the call's device, whether rows are reached by arithmetic instead (STRIDED),
-    and the plan's sizes (a program keeps these, not the plan, which its cache holds weakly)."""
-    pos: torch.Tensor
-    cnt: torch.Tensor
+    and counts on the call's device (or, for a per-call plan, the Slots they fill), whether rows
+    are reached by arithmetic instead (STRIDED), and the plan's sizes and the strides of its
+    tensors (a program keeps these, not the plan, which its cache holds weakly)."""
+    pos: object
+    cnt: object
     strided: bool
     segment_length: int
     dilation_rate: int
     set_size: int
     num_segments: int
-    groups: torch.Tensor | None = None  # int32 [2, r, S, as pos] (GROUPED), or None
+    pos_strides: tuple
+    cnt_strides: tuple
+    groups: object = None  # int32 [2, r, S, as pos] (GROUPED), its Slot, or None
+    groups_stride: int = 0
+    plan_slot: Slot | None = None  # a per-call plan's (for a replacement of the Hopper kernels)
 
     def grid(self, tile: int, programs: int) -> tuple[int, int, int]:
         """(tiles of a set, programs per segment, segments), checked against CUDA's limits."""
@@ -324,10 +381,16 @@ class Call:
         return tile_config(kind, self.q.device, self.q.dtype, self.d, self.interpreted,
                            self.mask_kind != 0, knobs=self.knobs)
 
-    def branch(self, plan: BranchPlan) -> Branch:
+    def branch(self, plan: BranchPlan, inputs: _PlanInputs) -> Branch:
         pos, cnt, strided, groups = _plan_tensors(plan, self.q.device)
-        return Branch(pos, cnt, strided, plan.segment_length, plan.dilation_rate, plan.set_size,
-                      plan.num_segments, groups)
+        sizes = (plan.segment_length, plan.dilation_rate, plan.set_size, plan.num_segments,
+                 pos.stride(), cnt.stride())
+        groups_stride = 0 if groups is None else groups.stride(0)
+        if _per_call(plan):
+            pos_slot, cnt_slot, groups_slot, plan_slot = inputs.branch(plan)
+            return Branch(pos_slot, cnt_slot, strided, *sizes, groups_slot, groups_stride,
+                          plan_slot)
+        return Branch(pos, cnt, strided, *sizes, groups, groups_stride)
 
     def operands(self, br: Branch) -> list:
         tensors = [self.q, self.k, self.v] + ([] if self.dout is None else [self.dout])
@@ -336,8 +399,8 @@ class Call:
         grp = br.pos if br.groups is None else br.groups  # pos: never read
         return [*slots, br.pos, br.cnt, grp, MASK if self.mask_kind else Q,
                 SEED if self.dropout else Q, DROPOUT_ROWS if self.hashes_rows else Q,
-                *strides, *self.mask_strides, *br.pos.stride(), *br.cnt.stride(),
-                0 if br.groups is None else br.groups.stride(0),
+                *strides, *self.mask_strides, *br.pos_strides, *br.cnt_strides,
+                br.groups_stride,
                 self.hq, self.hkv, self.n, self.group, br.segment_length,
                 br.dilation_rate, self.scale * LOG2E, self.scale, self.threshold,
                 self.drop_scale]
@@ -435,12 +498,22 @@ def _key(kind: str, q, k, v, plans, is_causal, attn_mask, scale, dropout_p, seed
             None if seed is None else (seed.device, seed.dtype, seed.shape, seed.data_ptr() % 16),
             None if dropout_rows is None else _tensor_key(dropout_rows))
         precision = torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None
-        return (kind, _tensor_key(q), _tensor_key(k), _tensor_key(v), tuple(map(id, plans)),
+        return (kind, _tensor_key(q), _tensor_key(k), _tensor_key(v), tuple(map(_plan_key, plans)),
                 bool(is_causal), float(scale), mask, drop, id(knobs), precision,
                 interpreter_active(), gluon_forward.unsupported, gluon_forward._unsupported,
                 gluon_forward.launch, *more)
     except (AttributeError, TypeError):
         return None
+
+
+def _plan_key(plan):
+    """A plan in a program's key: its id, or for a per-call plan (`_per_call`) what a program
+    built for it reads of it besides its tensors (sizes, completeness, order, groups, part)."""
+    if not _per_call(plan):
+        return id(plan)
+    return (plan.segment_length, plan.dilation_rate, plan.seq_len, plan.positions.shape,
+            plan.positions.device, plan.strided, plan.complete, plan.hilbert,
+            None if plan.groups is None else plan.groups.shape, plan.part_of)
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -456,7 +529,7 @@ def _program(key, plans, build):
         program = build()
         if key is not None and not (program.device.type == "cuda"
                                     and torch.cuda.is_current_stream_capturing()):
-            _programs.put(key, plans, program)
+            _programs.put(key, [p for p in plans if not _per_call(p)], program)
     return program
 
 
@@ -479,13 +552,16 @@ def _gluon_step(module, call: Call, plan: BranchPlan, br: Branch, refs: tuple, d
     where a test replaced the module's `launch`, a step that calls the replacement."""
     kw.update(is_causal=call.is_causal, scale=call.scale)
     if module.launch is not module.GENUINE_LAUNCH:
-        return Emulated(module, "launch", [*refs, plan, br.pos], kw)
+        return Emulated(module, "launch", [*refs, br.plan_slot or plan, br.pos], kw)
+    positions = _plan_tensors(plan, call.q.device)[0]  # for its strides (br.pos may be a Slot)
+    plan_refs = (br.pos, br.cnt)
     if module is gluon_forward:
-        kernel, grid, args, kwargs = module.prepare(call.q, call.k, call.v, plan, br.pos,
-                                                    refs=refs, **kw)
+        kernel, grid, args, kwargs = module.prepare(call.q, call.k, call.v, plan, positions,
+                                                    refs=refs, plan_refs=plan_refs, **kw)
     else:
-        kernel, grid, args, kwargs = module.prepare(call.q, call.k, call.v, dout, plan, br.pos,
-                                                    refs=refs, **kw)
+        kernel, grid, args, kwargs = module.prepare(call.q, call.k, call.v, dout, plan,
+                                                    positions, refs=refs, plan_refs=plan_refs,
+                                                    **kw)
     return Launch(kernel, args, kwargs, grid)
 
 
@@ -499,6 +575,7 @@ class _Forward:
         self.rows, self.out_shape = (b, hq, n), (b, hq, n, dv)
         self.empty = b * hq * n == 0 or not plans
         self.steps = []
+        self.inputs, self.num_slots = None, NUM_SLOTS
         if self.empty:
             return
         order, final, self.zeroed = _forward_order(plans)
@@ -506,9 +583,10 @@ class _Forward:
         self.single = final == len(order) == 1
         kern = _kernels()
         cfg = call.tiles("fwd")
+        inputs = _PlanInputs(plans)
         for i, plan in enumerate(order):
             first, last = i == 0, i >= len(order) - final
-            br = call.branch(plan)
+            br = call.branch(plan, inputs)
             if gluon_forward.unsupported(call.q, call.k, call.v, plan, is_causal=call.is_causal,
                                          mask_kind=call.mask_kind, dropout=call.dropout,
                                          scale=call.scale) is None:
@@ -519,13 +597,17 @@ class _Forward:
                 kern._fwd_kernel, [OUT, ACC, LSE, *call.operands(br)],
                 call.constexprs(br, FIRST=first, LAST=last, NONNEG_SCALE=call.scale >= 0), cfg,
                 lambda cfg, br=br: br.grid(cfg.block_m, b * hq), True))
+        self.inputs = inputs if inputs.count > NUM_SLOTS else None
+        self.num_slots = inputs.count
 
-    def __call__(self, q, k, v, attn_mask, dropout_p, seed, dropout_rows):
+    def __call__(self, q, k, v, plans, attn_mask, dropout_p, seed, dropout_rows):
         device = self.device
         lse = torch.full(self.rows, NEG_INF, dtype=torch.float32, device=device)
         if self.empty:
             return torch.zeros(self.out_shape, dtype=self.dtype, device=device), lse
-        bufs = [None] * NUM_SLOTS
+        bufs = [None] * self.num_slots
+        if self.inputs is not None:
+            self.inputs.fill(bufs, plans, device)
         bufs[Q.index], bufs[K.index], bufs[V.index] = q, k, v
         if attn_mask is not None or dropout_p > 0.0:
             _call_tensors(bufs, *self.rows, device, attn_mask, dropout_p, seed, dropout_rows)
@@ -555,7 +637,7 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
                knobs)
     program = _program(key, plans, lambda: _Forward(
         _call(q, k, v, attn_mask, dropout_p, seed, dropout_rows, scale, is_causal), plans))
-    return program(q, k, v, attn_mask, dropout_p, seed, dropout_rows)
+    return program(q, k, v, plans, attn_mask, dropout_p, seed, dropout_rows)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -592,6 +674,7 @@ class _Backward:
         self.empty = b * hq * n == 0 or not plans
         self.rows = (b, hq, n)
         self.steps = []
+        self.inputs, self.num_slots = None, NUM_SLOTS
         if self.empty:
             return
         kern = _kernels()
@@ -631,11 +714,17 @@ class _Backward:
         kv_cfg, q_cfg = call.tiles("dkdv"), call.tiles("dq")
         group = call.group
         self.dout_copy = False
+        inputs = _PlanInputs(plans)
+
+        def seen_rows(before):  # constants, or slots where a plan comes with each call
+            if any(map(_per_call, before)):
+                return inputs.seen_rows(before, hq, hkv)
+            return _seen_rows(before, hq, hkv, q.device)
+
         for i, plan in enumerate(order):
-            br = call.branch(plan)
+            br = call.branch(plan, inputs)
             first, last = i == 0, i >= len(order) - final
-            seen_q, seen_kv = _seen_rows(order[:i], hq, hkv, q.device) if i else (nothing,
-                                                                                   nothing)
+            seen_q, seen_kv = seen_rows(order[:i]) if i else (nothing, nothing)
             if hopper[i]:
                 copy = gluon_backward.dout_needs_copy(call.dout, plan)
                 self.dout_copy |= copy
@@ -664,15 +753,20 @@ class _Backward:
                 call.constexprs(br, FIRST=first and not dq_zeroed,
                                 LAST=last and not dq_zeroed, WIDE=wide),
                 q_cfg, lambda cfg, br=br: br.grid(cfg.block_m, b * hq), True))
+        self.written = None
         if not covers:  # no branch has every row: rows none wrote are 0
-            seen_q, seen_kv = _seen_rows(order, hq, hkv, q.device)
-            self.written = (seen_q[:, :, None] != 0, seen_kv[:, :, None] != 0)
+            self.written = seen_rows(order)
+        self.inputs = inputs if inputs.count > NUM_SLOTS else None
+        self.num_slots = inputs.count
 
-    def __call__(self, dout, q, k, v, out, lse, attn_mask, dropout_p, seed, dropout_rows):
+    def __call__(self, dout, q, k, v, out, lse, plans, attn_mask, dropout_p, seed,
+                 dropout_rows):
         if self.empty:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         device = self.device
-        bufs = [None] * NUM_SLOTS
+        bufs = [None] * self.num_slots
+        if self.inputs is not None:
+            self.inputs.fill(bufs, plans, device)
         bufs[Q.index], bufs[K.index], bufs[V.index], bufs[DOUT.index] = q, k, v, dout
         bufs[OUT_IN.index] = out
         bufs[LSE_IN.index] = lse.to(torch.float32).contiguous()
@@ -703,7 +797,8 @@ class _Backward:
             return tuple(grads)
         if self.covers:
             return dq.to(self.dtypes[0]), grads[1], grads[2]
-        keep_q, keep_kv = self.written
+        keep_q, keep_kv = (bufs[w.index] if type(w) is Slot else w for w in self.written)
+        keep_q, keep_kv = keep_q[:, :, None] != 0, keep_kv[:, :, None] != 0
         dq = dq if self.dq_zeroed else torch.where(keep_q, dq, 0.0)
         return (dq.to(self.dtypes[0]), torch.where(keep_kv, dk, 0.0).to(self.dtypes[1]),
                 torch.where(keep_kv, dvb, 0.0).to(self.dtypes[2]))
@@ -725,4 +820,4 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
     program = _program(key, plans, lambda: _Backward(
         _call(q, k, v, attn_mask, dropout_p, seed, dropout_rows, scale, is_causal, dout=dout),
         plans, out))
-    return program(dout, q, k, v, out, lse, attn_mask, dropout_p, seed, dropout_rows)
+    return program(dout, q, k, v, out, lse, plans, attn_mask, dropout_p, seed, dropout_rows)

@@ -108,9 +108,15 @@ def seen_rows(before, hq: int, hkv: int, device) -> tuple[torch.Tensor, torch.Te
     key = (tuple(id(p) for p in before), hq, hkv, str(device))
     hit = _seen_cache.get(key)
     if hit is None:
-        rows = torch.zeros(hq, before[0].seq_len, dtype=torch.bool, device=device)
-        for plan in before:
-            rows |= selected_rows(plan, hq).to(device)
+        # from the rows of all but the last plan where they were made (a backward asks for each
+        # prefix of its order in turn, and per-call plans ask again at every batch)
+        shorter = _seen_cache.get((key[0][:-1], *key[1:]))
+        if shorter is not None:
+            rows = (shorter[1] != 0) | selected_rows(before[-1], hq).to(device)
+        else:
+            rows = torch.zeros(hq, before[0].seq_len, dtype=torch.bool, device=device)
+            for plan in before:
+                rows |= selected_rows(plan, hq).to(device)
         kv_rows = rows.view(hkv, hq // hkv, -1).any(1)
         if len(_seen_cache) > 64:
             _seen_cache.clear()

@@ -121,6 +121,36 @@ def test_packed_plans(layout, hilbert, causal, gqa, monkeypatch):
         assert (g[:, :, padding] == 0).all()
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_new_layouts_of_one_size_run_the_first_layouts_programs(causal, monkeypatch):
+    """Sequence plans come new with each batch (lowering/sequences.py); a program built for one
+    batch takes the next one's plan tensors as it takes q, k, v, so batches of one size build
+    one forward and one backward program between them, each batch equal to its documents alone
+    (float32 buffers poisoned with NaN where nothing wrote them)."""
+    require_lowering("triton")
+    from hilbert_fx.lowering import triton_lowering
+    from hilbert_fx.lowering.sequences import sequence_plans
+    monkeypatch.setattr(triton_lowering, "torch", _PoisonedTorch())
+    monkeypatch.setattr(triton_lowering, "_programs", triton_lowering._Programs())
+    n, segs, rates = 100, [8, 16, 32], [1, 2, 4]
+    layouts = [[(0, 37), (43, 50)], [(3, 90)], [(0, 5), (5, 11), (20, 7), (30, 70)]]
+    q, k, v, dout = _inputs(1, 4, 2, n, 8, seed=3)
+    kw = dict(is_causal=causal, attn_mask=None, scale=0.3)
+    for i, documents in enumerate(layouts):
+        positions = torch.full((1, n), -1)
+        for start, length in documents:
+            positions[0, start:start + length] = torch.arange(length)
+        plans = sequence_plans(positions, segs, rates, True)
+        out, lse = triton_lowering.forward(q, k, v, plans, **kw)
+        grads = triton_lowering.backward(dout, q, k, v, out, lse, plans, **kw)
+        assert len(triton_lowering._programs) == 2, f"layout {i} built programs of its own"
+        alone = _alone(q, k, v, dout, documents, segs, rates, True, causal, 0.3)
+        assert_matches(out, alone[0].float(), f"out of layout {i} vs documents alone")
+        sc = common_scale(*alone[1:])
+        for name, a, b in zip("qkv", grads, alone[1:]):
+            assert_matches(a, b.float(), f"d{name} of layout {i} vs documents alone", scale=sc)
+
+
 @pytest.mark.parametrize("atomic_dq", ["0", "1"])
 def test_packed_plans_atomic_dq(atomic_dq, monkeypatch):
     """dq summed in a zeroed buffer (by atomics in the dK/dV kernel) on a padded layout."""
