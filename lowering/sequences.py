@@ -98,8 +98,9 @@ def sequence_plans(positions: Tensor, segment_lengths, dilation_rates,
     plans = []
     for branch, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
         table = tables(w, r, hilbert, device)[1]
-        cls, slot = table[0, p % w], table[1, p % w]
-        segment = torch.cumsum(valid & (p % w == 0), 0) - 1
+        in_segment = p % w
+        cls, slot = table[:, in_segment]
+        segment = torch.cumsum(valid & (in_segment == 0), 0) - 1
         inside = valid & (segment >= 0)
         segment = torch.where(inside, segment, total)  # segment `total`: a spare, dropped
         size = torch.zeros(total + 1, dtype=torch.int64, device=device)
@@ -123,8 +124,7 @@ def _segment_sets(w, r, total, tokens, cls, slot, segment, hilbert, index, s):
     m = w // r
     pos = torch.full((r, s + 1, m), total, dtype=torch.int64, device=tokens.device)
     pos.index_put_((cls, index, slot), tokens)
-    cnt = torch.zeros(r, s + 1, dtype=torch.int64, device=tokens.device)
-    cnt.index_put_((cls, index), torch.ones_like(tokens), accumulate=True)
+    cnt = _counted(r, s + 1, cls, index)
     pos, cnt = _within(pos[:, :s], cnt[:, :s], total)
     return BranchPlan(w, r, total, pos, cnt, strided=False, complete=False, hilbert=bool(hilbert))
 
@@ -134,9 +134,8 @@ def _binned_segments(w, r, total, tokens, cls, slot, segment, hilbert, binned):
     m, s = w // r, total // (w // r) + 1
     device = tokens.device
     seg = torch.where(binned, segment, total)
-    count = torch.zeros(r, total + 1, dtype=torch.int64, device=device)
-    count.index_put_((cls, seg), torch.ones_like(tokens), accumulate=True)
-    count = count[:, :total].clamp_(max=m)  # [r, segments]: members of each class
+    # [r, segments]: members of each class
+    count = _counted(r, total + 1, cls, seg)[:, :total].clamp_(max=m)
     base = torch.cumsum(count, 1) - count  # stream slot of each segment's first member
     bin_of = torch.where(count > 0, base // m, s)  # bin s: a spare, dropped
     first = torch.full((r, s + 1), total, dtype=torch.int64, device=device)
@@ -158,6 +157,16 @@ def _binned_segments(w, r, total, tokens, cls, slot, segment, hilbert, binned):
     groups = groups[:, :, :s].masked_fill(past, -1).contiguous()
     return BranchPlan(w, r, total, pos, cnt, strided=False, complete=False,
                       hilbert=bool(hilbert), groups=groups)
+
+
+def _counted(rows: int, cols: int, row: Tensor, col: Tensor) -> Tensor:
+    """[rows, cols] int64: how many tokens fall in each cell (row[t], col[t]). By index_add_
+    (atomic adds): index_put_ with accumulate=True sorts the indices and adds duplicates one by
+    one, and a cell here takes up to w tokens (on an H200 that took 11 of the 15 ms of a 64K
+    row's plans on the GPU, scripts/sequences_bench.py)."""
+    cnt = torch.zeros(rows * cols, dtype=torch.int64, device=row.device)
+    cnt.index_add_(0, row * cols + col, torch.ones_like(col))
+    return cnt.view(rows, cols)
 
 
 def _within(pos: Tensor, cnt: Tensor, total: int) -> tuple[Tensor, Tensor]:

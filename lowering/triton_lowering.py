@@ -84,6 +84,7 @@ dq buffer that atomics add to, instead of a separate fill.
 """
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -697,7 +698,20 @@ class _Backward:
         self.final = [((b, hq, n, d), q.dtype, covers and not dq_zeroed),
                       ((b, hkv, n, d), q.dtype, covers), ((b, hkv, n, dv), q.dtype, covers)]
         self.unused = torch.empty(0, dtype=q.dtype, device=q.device)
-        self.sums = ((b, hkv, n, d), (b, hkv, n, dv), (b, hq, n, d))
+        # the float32 buffers no caller sees (delta, lse * log2 e, the sums of dk, dv, dq), as
+        # views of one allocation: in a training step's backward each allocation costs the
+        # autograd thread about 10 us of host time (scripts/host_profile.py)
+        float32 = [(DELTA, self.rows), (LSE2, self.rows)]
+        if not alone:
+            float32 += [(DK, (b, hkv, n, d)), (DV, (b, hkv, n, dv))]
+        if dq_zeroed or not alone:
+            float32.append((DQ, (b, hq, n, d)))
+        self.views, start = [], 0
+        for slot, shape in float32:
+            size = math.prod(shape)
+            self.views.append((slot.index, start, start + size, shape))
+            start += -(-size // 64) * 64  # 256-byte starts: aligned as an allocation's
+        self.workspace = start
         nothing = torch.empty(0, dtype=torch.uint8, device=q.device)  # Seen of a FIRST launch
         # the Seen of a Triton dq kernel adding to the zeroed dq: every row (made only if one
         # runs)
@@ -774,22 +788,18 @@ class _Backward:
             bufs[DOUT_G.index] = dout.contiguous()
         if attn_mask is not None or dropout_p > 0.0:
             _call_tensors(bufs, *self.rows, device, attn_mask, dropout_p, seed, dropout_rows)
-        bufs[DELTA.index] = torch.empty(self.rows, dtype=torch.float32, device=device)
-        bufs[LSE2.index] = torch.empty(self.rows, dtype=torch.float32, device=device)
+        workspace = torch.empty(self.workspace, dtype=torch.float32, device=device)
+        for index, start, stop, shape in self.views:
+            bufs[index] = workspace[start:stop].view(shape)
         make = torch.zeros if self.zeroed else torch.empty  # zeroed: the padding rows
         grads = [make(shape, dtype=dtype, device=device) if used else self.unused
                  for shape, dtype, used in self.final]
         bufs[DQ_FINAL.index], bufs[DK_FINAL.index], bufs[DV_FINAL.index] = grads
         if self.alone:
-            dk, dvb = grads[1:]
-        else:
-            dk, dvb = (torch.empty(shape, dtype=torch.float32, device=device)
-                       for shape in self.sums[:2])
-        if self.dq_zeroed or not self.alone:  # zeroed by the preprocessing launch if dq_zeroed
-            dq = torch.empty(self.sums[2], dtype=torch.float32, device=device)
-        else:
-            dq = grads[0]
-        bufs[DK.index], bufs[DV.index], bufs[DQ.index] = dk, dvb, dq
+            bufs[DK.index], bufs[DV.index] = grads[1:]
+        if not (self.dq_zeroed or not self.alone):
+            bufs[DQ.index] = grads[0]
+        dk, dvb, dq = bufs[DK.index], bufs[DV.index], bufs[DQ.index]
         stream = launch_stream(device, self.knobs)
         for step in self.steps:
             step(bufs, stream)
