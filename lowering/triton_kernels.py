@@ -113,16 +113,36 @@ def _load_rows(base, pos, stride_n, stride_d, row_ok, DIM: tl.constexpr, BLOCK_D
 
 
 @triton.jit
+def _scheduled(CHUNK: tl.constexpr):
+    """(rank, program, segment) of a program of the grid (tiles, programs, segments) under
+    causal masks, read as chunks of CHUNK sets (CHUNK divides programs * segments), the programs
+    of rank 0 of a chunk's sets first: the caller makes rank 0 its sets' longest tile, so that a
+    launch's last wave holds its shortest (lowering/gluon_kernels.py's `_scheduled`, the same
+    order over that kernel's grid, says why)."""
+    tiles = tl.num_programs(0)
+    programs = tl.num_programs(1)
+    linear = tl.program_id(0) + tiles * (tl.program_id(1) + programs * tl.program_id(2))
+    chunk = linear // (CHUNK * tiles)
+    within = linear - chunk * (CHUNK * tiles)
+    set_index = chunk * CHUNK + within % CHUNK
+    return within // CHUNK, set_index % programs, set_index // programs
+
+
+@triton.jit
 def _query_tile(Pos, Cnt, stride_po, stride_ps, stride_pm, stride_co, stride_cs, H, SEG, R,
-                BLOCK_M: tl.constexpr, STRIDED: tl.constexpr, CAUSAL: tl.constexpr):
+                BLOCK_M: tl.constexpr, STRIDED: tl.constexpr, CAUSAL: tl.constexpr,
+                CHUNK: tl.constexpr):
     """The query tile of a program over (query tile, batch * head, segment): which set, its
-    member count, and the positions of the tile's rows. Under CAUSAL the longest rows go first.
-    The caller returns at once when start_m >= count (a tile past the set's end)."""
-    pid_m = tl.program_id(0)
+    member count, and the positions of the tile's rows. Under CAUSAL the longest rows go first
+    (`_scheduled`). The caller returns at once when start_m >= count (a tile past the set's
+    end)."""
     if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
-    seg = tl.program_id(2)
+        rank, bh, seg = _scheduled(CHUNK)
+        pid_m = tl.num_programs(0) - 1 - rank
+    else:
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        seg = tl.program_id(2)
     b = bh // H
     h = bh % H
     off = h % R
@@ -231,7 +251,7 @@ def _fwd_kernel(Out, Acc, Lse,
                 STRIDED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                 DROPOUT: tl.constexpr, ROWS: tl.constexpr, FIRST: tl.constexpr,
                 LAST: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                NONNEG_SCALE: tl.constexpr, GROUPED: tl.constexpr):
+                NONNEG_SCALE: tl.constexpr, GROUPED: tl.constexpr, CHUNK: tl.constexpr):
     """One branch, one program per (query tile, batch * head, segment).
 
     Computes the branch's attention for the tile's query rows and merges it by log-sum-exp
@@ -242,7 +262,7 @@ def _fwd_kernel(Out, Acc, Lse,
     """
     bh, b, h, count, start_m, first, set_base, offs_m, row_ok, pos_m = _query_tile(
         Pos, Cnt, stride_po, stride_ps, stride_pm, stride_co, stride_cs, H, SEG, R,
-        BLOCK_M, STRIDED, CAUSAL)
+        BLOCK_M, STRIDED, CAUSAL, CHUNK)
     if start_m >= count:
         return
 
@@ -525,18 +545,22 @@ def _bwd_dkdv_kernel(DK, DV, DQ, DKO, DVO, Seen, Lse2, Delta,
                      DROPOUT: tl.constexpr, ROWS: tl.constexpr, FIRST: tl.constexpr,
                      LAST: tl.constexpr, ONE_HEAD: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                      UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
-                     GROUPED: tl.constexpr):
+                     GROUPED: tl.constexpr, CHUNK: tl.constexpr):
     """One branch, one program per (key tile, batch * kv head * offset class, segment).
 
     The query heads of kv head g = h // GROUP fall into classes by their offset h % R; a program
     takes one class, loops over its heads (ONE_HEAD: GROUP <= R, so a class is one head) and
     their query tiles, and adds dK, dV of its key rows into DK, DV (float32; a LAST branch
     writes DKO, DVO in k's dtype instead, see _add_rows). Key rows of different programs never
-    overlap within a launch: no atomics, a deterministic sum.
+    overlap within a launch: no atomics, a deterministic sum. Under CAUSAL the first key tiles
+    (the longest: they meet every query tile after them) go first (`_scheduled`).
     """
-    pid_n = tl.program_id(0)
-    pid = tl.program_id(1)
-    seg = tl.program_id(2)
+    if CAUSAL:
+        pid_n, pid, seg = _scheduled(CHUNK)
+    else:
+        pid_n = tl.program_id(0)
+        pid = tl.program_id(1)
+        seg = tl.program_id(2)
     cls = pid % NUM_CLASSES
     bg = pid // NUM_CLASSES
     b = bg // HKV
@@ -644,12 +668,12 @@ def _bwd_dq_kernel(DQ, DQO, Seen, Lse2, Delta,
                    STRIDED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                    DROPOUT: tl.constexpr, ROWS: tl.constexpr, FIRST: tl.constexpr,
                    LAST: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                   WIDE: tl.constexpr, GROUPED: tl.constexpr):
+                   WIDE: tl.constexpr, GROUPED: tl.constexpr, CHUNK: tl.constexpr):
     """One branch, one program per (query tile, batch * head, segment): adds dQ of its rows into
     DQ (float32; a LAST branch writes DQO in q's dtype instead, see _add_rows)."""
     bh, b, h, count, start_m, first, set_base, offs_m, row_ok, pos_m = _query_tile(
         Pos, Cnt, stride_po, stride_ps, stride_pm, stride_co, stride_cs, H, SEG, R,
-        BLOCK_M, STRIDED, CAUSAL)
+        BLOCK_M, STRIDED, CAUSAL, CHUNK)
     if start_m >= count:
         return
     b64 = b.to(tl.int64)

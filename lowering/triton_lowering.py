@@ -406,12 +406,15 @@ class Call:
                 br.dilation_rate, self.scale * LOG2E, self.scale, self.threshold,
                 self.drop_scale]
 
-    def constexprs(self, br: Branch, **own) -> dict:
+    def constexprs(self, br: Branch, programs: int, **own) -> dict:
+        """`programs`: the second grid dimension of the launch (for the causal order's chunk,
+        lowering/triton_kernels.py's _scheduled)."""
+        chunk = gluon_forward.chunk_sets((0, programs, br.num_segments), self.is_causal)
         return dict(HEAD_DIM=self.d, HEAD_DIM_V=self.dv, BLOCK_D=_block_d(self.d),
                     BLOCK_DV=_block_d(self.dv), STRIDED=br.strided, CAUSAL=self.is_causal,
                     GROUPED=br.groups is not None,
                     MASK_KIND=self.mask_kind, DROPOUT=self.dropout, ROWS=self.hashes_rows,
-                    UPCAST=self.upcast, PRECISION=self.precision, **own)
+                    UPCAST=self.upcast, PRECISION=self.precision, CHUNK=chunk, **own)
 
     def launch(self, kernel, args: list, constexprs: dict, cfg: TileConfig, grid_of,
                m_multiple_of_n: bool) -> Launch:
@@ -596,7 +599,8 @@ class _Forward:
                 continue
             self.steps.append(call.launch(
                 kern._fwd_kernel, [OUT, ACC, LSE, *call.operands(br)],
-                call.constexprs(br, FIRST=first, LAST=last, NONNEG_SCALE=call.scale >= 0), cfg,
+                call.constexprs(br, b * hq, FIRST=first, LAST=last,
+                                NONNEG_SCALE=call.scale >= 0), cfg,
                 lambda cfg, br=br: br.grid(cfg.block_m, b * hq), True))
         self.inputs = inputs if inputs.count > NUM_SLOTS else None
         self.num_slots = inputs.count
@@ -753,7 +757,7 @@ class _Backward:
                 kern._bwd_dkdv_kernel,
                 [DK, DV, DQ, DK_FINAL, DV_FINAL, seen_kv, LSE2, DELTA, *call.operands(br),
                  classes],
-                call.constexprs(br, FIRST=first, LAST=last,
+                call.constexprs(br, b * hkv * classes, FIRST=first, LAST=last,
                                 ONE_HEAD=group <= plan.dilation_rate, ATOMIC_DQ=atomic,
                                 WIDE=wide),
                 kv_cfg, lambda cfg, br=br, classes=classes: br.grid(cfg.block_n,
@@ -764,7 +768,7 @@ class _Backward:
                 kern._bwd_dq_kernel,
                 [DQ, DQ_FINAL, every_q if dq_zeroed else seen_q, LSE2, DELTA,
                  *call.operands(br)],
-                call.constexprs(br, FIRST=first and not dq_zeroed,
+                call.constexprs(br, b * hq, FIRST=first and not dq_zeroed,
                                 LAST=last and not dq_zeroed, WIDE=wide),
                 q_cfg, lambda cfg, br=br: br.grid(cfg.block_m, b * hq), True))
         self.written = None
