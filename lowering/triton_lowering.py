@@ -382,12 +382,13 @@ class Call:
         return tile_config(kind, self.q.device, self.q.dtype, self.d, self.interpreted,
                            self.mask_kind != 0, knobs=self.knobs)
 
-    def branch(self, plan: BranchPlan, inputs: _PlanInputs) -> Branch:
+    def branch(self, plan: BranchPlan, inputs: _PlanInputs | None = None) -> Branch:
+        """The Branch of `plan`; a per-call plan's tensors become slots of `inputs`."""
         pos, cnt, strided, groups = _plan_tensors(plan, self.q.device)
         sizes = (plan.segment_length, plan.dilation_rate, plan.set_size, plan.num_segments,
                  pos.stride(), cnt.stride())
         groups_stride = 0 if groups is None else groups.stride(0)
-        if _per_call(plan):
+        if _per_call(plan) and inputs is not None:
             pos_slot, cnt_slot, groups_slot, plan_slot = inputs.branch(plan)
             return Branch(pos_slot, cnt_slot, strided, *sizes, groups_slot, groups_stride,
                           plan_slot)
