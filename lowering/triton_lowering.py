@@ -79,7 +79,10 @@ devices and alignment of the inputs, the plans by identity, mask and dropout lay
 the knobs), built on the first call with the checks, the plans' tensors, the Hopper kernels'
 eligibility, the tiles, grids and every static argument. A program's steps are
 lowering/triton_launch.py's `Launch`es, which name the call's tensors by `Slot` and replay
-later launches through Triton's launcher directly. The backward's preprocessing also zeroes the
+later launches through Triton's launcher directly. The plans of rows that hold sequences
+(lowering/sequences.py) come new with every batch: a program names them by their sizes instead,
+and takes their tensors by slot as it takes q, k, v (`_PlanInputs`), so batches of one size
+share it. The backward's preprocessing also zeroes the
 dq buffer that atomics add to, instead of a separate fill.
 """
 from __future__ import annotations
@@ -491,7 +494,8 @@ def _key(kind: str, q, k, v, plans, is_causal, attn_mask, scale, dropout_p, seed
          knobs, *more) -> tuple | None:
     """A program's key: what its launches depend on besides the data pointers (`Launch`), i.e.
     the inputs' shapes, strides, dtypes, devices and 16-byte alignment, the plans (by id: an
-    entry goes when one of its plans does, `_Programs`), the mask's layout, the dropout's (its
+    entry goes when one of its plans does, `_Programs`; per-call plans by their sizes,
+    `_plan_key`), the mask's layout, the dropout's (its
     seed's and dropout_rows'), the scale, the knobs (by id: tuning() returns one object until
     reloaded, and the program keeps it), the float32 matmul precision where it matters, the
     interpreter, and the Hopper path's entry points (tests replace them). None for arguments
@@ -503,7 +507,8 @@ def _key(kind: str, q, k, v, plans, is_causal, attn_mask, scale, dropout_p, seed
             None if seed is None else (seed.device, seed.dtype, seed.shape, seed.data_ptr() % 16),
             None if dropout_rows is None else _tensor_key(dropout_rows))
         precision = torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None
-        return (kind, _tensor_key(q), _tensor_key(k), _tensor_key(v), tuple(map(_plan_key, plans)),
+        return (kind, _tensor_key(q), _tensor_key(k), _tensor_key(v),
+                tuple(map(_plan_key, plans)),
                 bool(is_causal), float(scale), mask, drop, id(knobs), precision,
                 interpreter_active(), gluon_forward.unsupported, gluon_forward._unsupported,
                 gluon_forward.launch, *more)
@@ -705,11 +710,11 @@ class _Backward:
         self.unused = torch.empty(0, dtype=q.dtype, device=q.device)
         # the float32 buffers no caller sees (delta, lse * log2 e, the sums of dk, dv, dq), as
         # views of one allocation: in a training step's backward each allocation costs the
-        # autograd thread about 10 us of host time (scripts/host_profile.py)
+        # autograd thread about 10 us of host time (BENCHMARKS.md, "Host cost per call")
         float32 = [(DELTA, self.rows), (LSE2, self.rows)]
         if not alone:
             float32 += [(DK, (b, hkv, n, d)), (DV, (b, hkv, n, dv))]
-        if dq_zeroed or not alone:
+        if dq_zeroed or not alone:  # zeroed by the preprocessing launch if dq_zeroed
             float32.append((DQ, (b, hq, n, d)))
         self.views, start = [], 0
         for slot, shape in float32:
@@ -800,10 +805,10 @@ class _Backward:
         grads = [make(shape, dtype=dtype, device=device) if used else self.unused
                  for shape, dtype, used in self.final]
         bufs[DQ_FINAL.index], bufs[DK_FINAL.index], bufs[DV_FINAL.index] = grads
-        if self.alone:
+        if self.alone:  # one branch, FIRST and LAST: the gradients written in place
             bufs[DK.index], bufs[DV.index] = grads[1:]
-        if not (self.dq_zeroed or not self.alone):
-            bufs[DQ.index] = grads[0]
+            if not self.dq_zeroed:
+                bufs[DQ.index] = grads[0]
         dk, dvb, dq = bufs[DK.index], bufs[DV.index], bufs[DQ.index]
         stream = launch_stream(device, self.knobs)
         for step in self.steps:
