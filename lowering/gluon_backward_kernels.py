@@ -322,12 +322,7 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     with boxes of RUN rows. Lse2, Delta, DQ are contiguous over [B, H, N], DK, DV, DKO, DVO over
     [B, HKV, N], Seen over [HKV, N]. PARTIAL (GATHER, RUN == 0): set j of offset o has
     Cnt[o, j] members (a packed row's plan); programs past it end at once."""
-    if CAUSAL:
-        key_tile, seg, pid = _scheduled(CHUNK)
-    else:
-        key_tile = gl.program_id(0)
-        seg = gl.program_id(1)
-        pid = gl.program_id(2)
+    key_tile, seg, pid = _scheduled(CAUSAL, CHUNK)
     cls = pid % NUM_CLASSES
     bg = pid // NUM_CLASSES
     b = bg // HKV

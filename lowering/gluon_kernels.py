@@ -360,22 +360,30 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
 
 
 @gluon.jit
-def _scheduled(CHUNK: gl.constexpr):
-    """(rank, segment, program of the third grid dimension) of this CTA under causal masks,
-    whose tiles differ in work: the longest tile of a set has 16 times the shortest's at sets
+def _scheduled(CAUSAL: gl.constexpr, CHUNK: gl.constexpr):
+    """(rank, segment, program of the third grid dimension) of this CTA: its program ids, or,
+    under causal masks, whose tiles differ in work: the longest tile of a set has 16 times the shortest's at sets
     of 2048. The grid (tiles, segments, third) is read as chunks of CHUNK sets (CHUNK divides
     segments * third: lowering/gluon_forward.chunk_sets); within a chunk, the CTAs of rank 0
     (each set's longest tile, the caller's choice which) run first, then rank 1, ..., so the
     last wave of a launch holds its shortest tiles rather than some of its longest
     (longest-first scheduling, as FlashAttention-3's causal scheduler). A chunk's sets run
     together and share their rows in L2, as a set's tiles did in grid order."""
-    tiles = gl.num_programs(0)
-    segments = gl.num_programs(1)
-    linear = gl.program_id(0) + tiles * (gl.program_id(1) + segments * gl.program_id(2))
-    chunk = linear // (CHUNK * tiles)
-    within = linear - chunk * (CHUNK * tiles)
-    set_index = chunk * CHUNK + within % CHUNK
-    return within // CHUNK, set_index % segments, set_index // segments
+    if CAUSAL:
+        tiles = gl.num_programs(0)
+        segments = gl.num_programs(1)
+        linear = gl.program_id(0) + tiles * (gl.program_id(1) + segments * gl.program_id(2))
+        chunk = linear // (CHUNK * tiles)
+        within = linear - chunk * (CHUNK * tiles)
+        set_index = chunk * CHUNK + within % CHUNK
+        rank = within // CHUNK
+        seg = set_index % segments
+        third = set_index // segments
+    else:
+        rank = gl.program_id(0)
+        seg = gl.program_id(1)
+        third = gl.program_id(2)
+    return rank, seg, third
 
 
 @gluon.jit
@@ -399,13 +407,9 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     (the members come in stride-R runs of RUN), descriptors as above with boxes of RUN rows.
     PARTIAL (GATHER, RUN == 0): set j of offset o has Cnt[o, j] members (a packed row's plan);
     CTAs past it end at once, the others stop at its last key tile."""
-    if CAUSAL:
-        rank, seg, bh = _scheduled(CHUNK)
-        tile = gl.num_programs(0) - 1 - rank
-    else:
-        tile = gl.program_id(0)
-        seg = gl.program_id(1)
-        bh = gl.program_id(2)
+    tile, seg, bh = _scheduled(CAUSAL, CHUNK)
+    if CAUSAL:  # rank 0 is the last query tile, the longest
+        tile = gl.num_programs(0) - 1 - tile
     b = bh // H
     h = bh % H
     hk = h // GROUP

@@ -22,6 +22,7 @@ import functools
 import weakref
 from dataclasses import dataclass
 from typing import Optional
+
 import torch
 from torch import Tensor
 

@@ -113,19 +113,27 @@ def _load_rows(base, pos, stride_n, stride_d, row_ok, DIM: tl.constexpr, BLOCK_D
 
 
 @triton.jit
-def _scheduled(CHUNK: tl.constexpr):
-    """(rank, program, segment) of a program of the grid (tiles, programs, segments) under
-    causal masks, read as chunks of CHUNK sets (CHUNK divides programs * segments), the programs
+def _scheduled(CAUSAL: tl.constexpr, CHUNK: tl.constexpr):
+    """(rank, program, segment) of a program of the grid (tiles, programs, segments): its
+    program ids, or, under causal masks, the grid read as chunks of CHUNK sets (CHUNK divides programs * segments), the programs
     of rank 0 of a chunk's sets first: the caller makes rank 0 its sets' longest tile, so that a
     launch's last wave holds its shortest (lowering/gluon_kernels.py's `_scheduled`, the same
     order over that kernel's grid, says why)."""
-    tiles = tl.num_programs(0)
-    programs = tl.num_programs(1)
-    linear = tl.program_id(0) + tiles * (tl.program_id(1) + programs * tl.program_id(2))
-    chunk = linear // (CHUNK * tiles)
-    within = linear - chunk * (CHUNK * tiles)
-    set_index = chunk * CHUNK + within % CHUNK
-    return within // CHUNK, set_index % programs, set_index // programs
+    if CAUSAL:
+        tiles = tl.num_programs(0)
+        programs = tl.num_programs(1)
+        linear = tl.program_id(0) + tiles * (tl.program_id(1) + programs * tl.program_id(2))
+        chunk = linear // (CHUNK * tiles)
+        within = linear - chunk * (CHUNK * tiles)
+        set_index = chunk * CHUNK + within % CHUNK
+        rank = within // CHUNK
+        program = set_index % programs
+        seg = set_index // programs
+    else:
+        rank = tl.program_id(0)
+        program = tl.program_id(1)
+        seg = tl.program_id(2)
+    return rank, program, seg
 
 
 @triton.jit
@@ -136,13 +144,9 @@ def _query_tile(Pos, Cnt, stride_po, stride_ps, stride_pm, stride_co, stride_cs,
     member count, and the positions of the tile's rows. Under CAUSAL the longest rows go first
     (`_scheduled`). The caller returns at once when start_m >= count (a tile past the set's
     end)."""
-    if CAUSAL:
-        rank, bh, seg = _scheduled(CHUNK)
-        pid_m = tl.num_programs(0) - 1 - rank
-    else:
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        seg = tl.program_id(2)
+    pid_m, bh, seg = _scheduled(CAUSAL, CHUNK)
+    if CAUSAL:  # rank 0 is the last query tile, the longest
+        pid_m = tl.num_programs(0) - 1 - pid_m
     b = bh // H
     h = bh % H
     off = h % R
@@ -555,12 +559,7 @@ def _bwd_dkdv_kernel(DK, DV, DQ, DKO, DVO, Seen, Lse2, Delta,
     overlap within a launch: no atomics, a deterministic sum. Under CAUSAL the first key tiles
     (the longest: they meet every query tile after them) go first (`_scheduled`).
     """
-    if CAUSAL:
-        pid_n, pid, seg = _scheduled(CHUNK)
-    else:
-        pid_n = tl.program_id(0)
-        pid = tl.program_id(1)
-        seg = tl.program_id(2)
+    pid_n, pid, seg = _scheduled(CAUSAL, CHUNK)
     cls = pid % NUM_CLASSES
     bg = pid // NUM_CLASSES
     b = bg // HKV
