@@ -1,6 +1,7 @@
-"""Compile the Hopper (Gluon) kernels for sm_90a without a GPU and print ptxas's registers and
-spills per configuration, so that a kernel change can be checked for compile errors and for
-spilled registers on the whole-set paths before device time is spent.
+"""Compile the Hopper (Gluon) kernels for sm_90a without a GPU and print, per configuration,
+ptxas's registers, spills and whether it serialised the wgmma instructions (too few registers
+to keep them asynchronous), so that a kernel change can be checked for compile errors, spilled
+registers and serialised products on the whole-set paths before device time is spent.
 
     python -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
     /tmp/t36/bin/python scripts/gluon_compile_check.py --torch-site /path/to/venv/lib/python3.11/site-packages [--repo DIR]
@@ -70,8 +71,10 @@ def main():
         # PTX less line information: equal digests mean equal code
         body = "\n".join(line for line in ptx.split(".section")[0].splitlines()
                          if ".loc" not in line and ".file" not in line)
+        # C7511: ptxas found too few registers to keep wgmma asynchronous, and waits after each
+        serialized = ", wgmma SERIALIZED" if "C7511" in run.stderr + run.stdout else ""
         return (f"registers {','.join(regs)}, spill stores/loads "
-                f"{', '.join('/'.join(s) for s in spills)}, "
+                f"{', '.join('/'.join(s) for s in spills)}{serialized}, "
                 f"code {hashlib.md5(body.encode()).hexdigest()[:10]}")
 
     def case(name, n, w, r, hilbert, causal, d, packed=None, first=True, last=False):
