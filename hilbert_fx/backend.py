@@ -1,6 +1,8 @@
 """The torch.compile backend: find attention, rewrite it, hand the graph on to Inductor."""
 from __future__ import annotations
 
+import functools
+import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -137,10 +139,35 @@ class HilbertBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = None,
                  options: Optional[dict] = None):
         compile_fx = inductor(mode, options)  # bad mode or options fail before any work
-        self.transform(gm)
+        record = self.transform(gm)
         if not self.compile_with_inductor:
             return gm.forward
+        if any(site.decision.action == "rewritten" for site in record.sites):
+            tag_inductor_caches()
         return compile_fx(gm, example_inputs)
+
+
+def tag_inductor_caches() -> None:
+    """Adds a digest of the op's definition (lowering/op.py and lowering/ring.py, where its fake
+    implementations give the outputs' shapes and strides) to torch.compiler.config.cache_key_tag,
+    which Inductor's and AOTAutograd's caches hash. Their keys do not cover a custom op's fake:
+    a graph compiled against an earlier version of the op would be loaded from the cache with
+    that version's strides, and fail its stride checks. Set for the process, not around one
+    compile, since AOTAutograd compiles a backward when it first runs."""
+    tag = f"hilbert_fx-op-{_op_digest()}"
+    current = torch.compiler.config.cache_key_tag
+    if tag not in current:
+        torch.compiler.config.cache_key_tag = f"{current} {tag}".strip()
+
+
+@functools.cache
+def _op_digest() -> str:
+    from .lowering import op, ring
+    digest = hashlib.sha256()
+    for module in (op, ring):
+        with open(module.__file__, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 def backend(segment_lengths=None, dilation_rates=None, *, hilbert: bool = True,

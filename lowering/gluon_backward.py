@@ -50,14 +50,16 @@ def launch(q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2, delta, pla
            is_causal: bool, scale: float, first: bool, last: bool) -> None:
     """One branch's gradients, as lowering/triton_kernels.py's dK/dV and dq kernels would leave
     them: dq (float32 [B, Hq, N, D], contiguous) gets this branch's share added by atomics; dk,
-    dv (float32 [B, Hkv, N, D]) or, when `last`, dk_final, dv_final (k's dtype) get the key rows
-    of its sets, plus what earlier branches left in dk, dv where `seen` ([Hkv, N] uint8) is set.
-    lse2 = lse * log2 e and delta = rowsum(dout * out), contiguous [B, Hq, N]."""
+    dv (float32 [B, Hkv, N, D]) or, when `last`, dk_final, dv_final (k's dtype, any layout with
+    unit column stride) get the key rows of its sets, plus what earlier branches left in dk, dv
+    where `seen` ([Hkv, N] uint8) is set. lse2 = lse * log2 e and delta = rowsum(dout * out),
+    contiguous [B, Hq, N]."""
     if dout_needs_copy(dout, plan):
         dout = dout.contiguous()
     kernel, grid, args, kwargs = prepare(
         q, k, v, dout, plan, positions, is_causal=is_causal, scale=scale, first=first, last=last,
-        refs=(q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2, delta))
+        refs=(q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2, delta),
+        final_strides=(*dk_final.stride()[:3], *dv_final.stride()[:3]))
     kernel[grid](*[a.make(a.source) if isinstance(a, gluon_forward.Descriptor) else a
                    for a in args], **kwargs)
 
@@ -78,11 +80,12 @@ def dout_needs_copy(dout, plan) -> bool:
 
 
 def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, first: bool,
-            last: bool, refs, plan_refs=None) -> tuple:
+            last: bool, refs, plan_refs=None, final_strides=None) -> tuple:
     """(kernel, grid, positional arguments, keyword arguments) of `launch` for a dout that needs
     no copy, where refs stand for (q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2,
     delta) in the arguments and a TMA descriptor is a gluon_forward.Descriptor of its tensor's
-    stand-in, and plan_refs for (positions, counts) (as gluon_forward.prepare)."""
+    stand-in, and plan_refs for (positions, counts) (as gluon_forward.prepare). final_strides:
+    the batch, head and row strides of dk_final, then of dv_final (None: contiguous)."""
     kern = _load()
     q_ref, k_ref, v_ref, do_ref, *buffers = refs
     b, hq, n, d = q.shape
@@ -111,7 +114,7 @@ def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, fi
     pos_arg, cnt_arg = plan_refs or (positions, counts)
     args = [*tensors, *buffers, pos_arg, scale * LOG2E, scale, hq, hkv, n, group, classes, w,
             positions.stride(0), positions.stride(1), cnt_arg, counts.stride(0), counts.stride(1),
-            *coords]
+            *coords, *(final_strides or (hkv * n * d, n * d, d) * 2)]
     kwargs = dict(R=r, HEAD_D=d, CAUSAL=bool(is_causal), FIRST=first, LAST=last,
                   ONE_HEAD=group <= r, PARTIAL=partial,
                   CHUNK=gluon_forward.chunk_sets(grid, is_causal), **_TILES, **regs)

@@ -162,19 +162,24 @@ def _next_pair(hi, t, t0, n_q, n_heads):
 
 
 @gluon.jit
-def _add_rows(acc, Buf, Final, Seen, seen_idx, offs, valid, FIRST: gl.constexpr,
-              LAST: gl.constexpr, PARTIAL: gl.constexpr):
-    """acc (float32 rows of a gradient; offs their elements) plus what the branches launched
-    before left in Buf at the rows Seen marks, into Buf, or when LAST into Final in its dtype;
-    PARTIAL: only rows where `valid` holds (members of a partial set past its count are no
-    rows). Whole sets keep the unmasked code (the masks cost spilled registers at D = 128)."""
+def _add_rows(acc, Buf, Final, Seen, seen_idx, krow, cols, final_sn, valid,
+              HEAD_D: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
+              PARTIAL: gl.constexpr):
+    """acc (float32 rows krow of a gradient, columns cols: in Buf at krow * HEAD_D, in Final at
+    krow * final_sn) plus what the branches launched before left in Buf at the rows Seen marks,
+    into Buf, or when LAST into Final in its dtype; PARTIAL: only rows where `valid` holds
+    (members of a partial set past its count are no rows). Whole sets keep the unmasked code
+    (the masks cost spilled registers at D = 128). Final's offsets are made only once Buf's
+    are read: both held at once spilled registers at D = 128."""
+    offs = gl.expand_dims(krow * HEAD_D, 1) + cols
     if PARTIAL:
         live = gl.expand_dims(valid, 1) & (offs >= 0)
         if not FIRST:
             seen = gl.expand_dims(gl.load(Seen + seen_idx, mask=valid, other=0) != 0, 1) & live
             acc += gl.load(Buf + offs, mask=seen, other=0.0)
         if LAST:
-            gl.store(Final + offs, acc.to(Final.dtype.element_ty), mask=live)
+            gl.store(Final + (gl.expand_dims(krow * final_sn, 1) + cols),
+                     acc.to(Final.dtype.element_ty), mask=live)
         else:
             gl.store(Buf + offs, acc, mask=live)
     else:
@@ -182,7 +187,8 @@ def _add_rows(acc, Buf, Final, Seen, seen_idx, offs, valid, FIRST: gl.constexpr,
             seen = gl.expand_dims(gl.load(Seen + seen_idx) != 0, 1) & (offs >= 0)
             acc += gl.load(Buf + offs, mask=seen, other=0.0)
         if LAST:
-            gl.store(Final + offs, acc.to(Final.dtype.element_ty))
+            gl.store(Final + (gl.expand_dims(krow * final_sn, 1) + cols),
+                     acc.to(Final.dtype.element_ty))
         else:
             gl.store(Buf + offs, acc)
 
@@ -190,8 +196,9 @@ def _add_rows(acc, Buf, Final, Seen, seen_idx, offs, valid, FIRST: gl.constexpr,
 @gluon.jit
 def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty,
               do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
-              qk_scale, sm_scale, q_head_row, q_head_step, kv_head_row, seen_row, set_row, pos_set,
-              key_first, t0, n_q, n_heads, count, R: gl.constexpr, CID: gl.constexpr,
+              qk_scale, sm_scale, q_head_row, q_head_step, kv_head_row, dko_base, dko_sn,
+              dvo_base, dvo_sn, seen_row, set_row, pos_set, key_first, t0, n_q, n_heads, count,
+              R: gl.constexpr, CID: gl.constexpr,
               NW: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
               STAGES: gl.constexpr, GATHER: gl.constexpr, CAUSAL: gl.constexpr,
               FIRST: gl.constexpr, LAST: gl.constexpr, CP_ASYNC: gl.constexpr,
@@ -202,7 +209,8 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
     (GATHER). Offsets within a head are int32 (gluon_backward checks N * D < 2**31). CP_ASYNC:
     the rings were written by cp.async, which wgmma reads only after a proxy fence. PARTIAL:
     the set has `count` members; P is 0 for members past it, as queries and as keys, whose
-    rows (the plan's padding positions) are neither read back nor written."""
+    rows (the plan's padding positions) are neither read back nor written. DKO, DVO: key
+    row n of the kv head starts at dko_base + n * dko_sn (dvo_base + n * dvo_sn)."""
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = _mma_layout(NW, BLOCK_M)         # S^T, dP^T: [KEYS, BLOCK_M]
     acc_layout: gl.constexpr = _mma_layout(NW, HEAD_D)        # dK, dV: [KEYS, HEAD_D]
@@ -331,16 +339,16 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
         krow = gl.load(Pos + pos_set + members)
     else:
         krow = set_row + members * R
-    offs = (gl.expand_dims(krow * HEAD_D, 1)
-            + gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout)), 0))
+    cols = gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout)), 0)
     base = kv_head_row * HEAD_D
     if PARTIAL:
         valid = members < count
     else:
         valid = 0
-    _add_rows(dk * sm_scale, DK + base, DKO + base, Seen, seen_row + krow, offs, valid, FIRST,
-              LAST, PARTIAL)
-    _add_rows(dv, DV + base, DVO + base, Seen, seen_row + krow, offs, valid, FIRST, LAST, PARTIAL)
+    _add_rows(dk * sm_scale, DK + base, DKO + dko_base, Seen, seen_row + krow, krow, cols,
+              dko_sn, valid, HEAD_D, FIRST, LAST, PARTIAL)
+    _add_rows(dv, DV + base, DVO + dvo_base, Seen, seen_row + krow, krow, cols, dvo_sn, valid,
+              HEAD_D, FIRST, LAST, PARTIAL)
 
 
 @gluon.jit
@@ -348,7 +356,7 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
                 sm_scale, H, HKV, N, GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt, stride_co,
                 stride_cs,
                 QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, OA, OB, OC, OD,
-                R: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+                DKOB, DKOH, DKON, DVOB, DVOH, DVON, R: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
                 STAGES: gl.constexpr, GATHER: gl.constexpr, CAUSAL: gl.constexpr,
                 FIRST: gl.constexpr, LAST: gl.constexpr, ONE_HEAD: gl.constexpr,
                 RUN: gl.constexpr, PARTIAL: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
@@ -365,8 +373,9 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     CO): member m of set j of head x is row b*RB + x*RH + j*(w/r) + m, column o*CO + x*CH.
     GATHER: member m is at Pos[o, j, m]; the tensors (KDx is Kx) and (A, B, C) their batch, head
     and row strides, or, when RUN > 0 (members in stride-R runs of RUN), descriptors as above
-    with boxes of RUN rows. Lse2, Delta, DQ are contiguous over [B, H, N], DK, DV, DKO, DVO over
-    [B, HKV, N], Seen over [HKV, N]. PARTIAL (GATHER, RUN == 0): set j of offset o has
+    with boxes of RUN rows. Lse2, Delta, DQ are contiguous over [B, H, N], DK, DV over
+    [B, HKV, N] (DKO, DVO, the gradients in k's and v's layouts: element (b, g, n, 0) of DKO at
+    b * DKOB + g * DKOH + n * DKON, DVO's likewise), Seen over [HKV, N]. PARTIAL (GATHER, RUN == 0): set j of offset o has
     Cnt[o, j] members (a packed row's plan); programs past it end at once."""
     key_tile, seg, pid = _scheduled(CAUSAL, CHUNK)
     cls = pid % NUM_CLASSES
@@ -391,6 +400,8 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
         t0 = key_first // BLOCK_M
     q_head_row = (b * H + h).to(gl.int64) * N
     kv_head_row = bg.to(gl.int64) * N
+    dko_base = b.to(gl.int64) * DKOB + g.to(gl.int64) * DKOH
+    dvo_base = b.to(gl.int64) * DVOB + g.to(gl.int64) * DVOH
     set_row = seg * W + off
     # the producer copies by cp.async (Qx a tensor; each of its threads arrives) or by TMA
     CP_ASYNC: gl.constexpr = GATHER and RUN == 0
@@ -435,12 +446,14 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty,
                      do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
-                     qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N, set_row, pos_set,
+                     qk_scale, sm_scale, q_head_row, R * N, kv_head_row, dko_base, DKON,
+                     dvo_base, DVON, g * N, set_row, pos_set,
                      key_first, t0, n_q, n_heads, count, R, 0, num_warps, BLOCK_M, HEAD_D, STAGES,
                      GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL)),
         (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty,
                      do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
-                     qk_scale, sm_scale, q_head_row, R * N, kv_head_row, g * N, set_row, pos_set,
+                     qk_scale, sm_scale, q_head_row, R * N, kv_head_row, dko_base, DKON,
+                     dvo_base, DVON, g * N, set_row, pos_set,
                      key_first, t0, n_q, n_heads, count, R, 1, num_warps, BLOCK_M, HEAD_D, STAGES,
                      GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL)),
         (_load_partition, (Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,

@@ -318,12 +318,14 @@ def _sets_unsupported(q, k, v, plan) -> str | None:
 
 def launch(q, k, v, out, acc, lse, plan, positions, *, is_causal: bool, scale: float, first: bool,
            last: bool) -> None:
-    """One branch into (out, acc, lse) as lowering/triton_kernels.py's _fwd_kernel would; out and
-    acc contiguous [B, H, N, D], lse contiguous [B, H, N]. Strided sets are read by TMA, others
-    through `positions` (int32 [r, segments, >= w / r], lowering/triton_plans.plan_tensors)."""
+    """One branch into (out, acc, lse) as lowering/triton_kernels.py's _fwd_kernel would; out
+    [B, H, N, D] with unit column stride, acc contiguous [B, H, N, D], lse contiguous [B, H, N].
+    Strided sets are read by TMA, others through `positions` (int32 [r, segments, >= w / r],
+    lowering/triton_plans.plan_tensors)."""
     kernel, grid, args, kwargs = prepare(q, k, v, plan, positions, is_causal=is_causal,
                                          scale=scale, first=first, last=last,
-                                         refs=(q, k, v, out, acc, lse))
+                                         refs=(q, k, v, out, acc, lse),
+                                         out_strides=out.stride()[:3])
     kernel[grid](*[a.make(a.source) if isinstance(a, Descriptor) else a for a in args], **kwargs)
 
 
@@ -331,12 +333,13 @@ GENUINE_LAUNCH = launch  # lowering/triton_lowering.py calls `launch` itself whe
 
 
 def prepare(q, k, v, plan, positions, *, is_causal: bool, scale: float, first: bool, last: bool,
-            refs, plan_refs=None) -> tuple:
+            refs, plan_refs=None, out_strides=None) -> tuple:
     """(kernel, grid, positional arguments, keyword arguments) of `launch`, where refs stand for
     (q, k, v, out, acc, lse) in the arguments (the tensors themselves, or a lowering's stand-ins
     for a call's tensors) and a TMA descriptor is a `Descriptor` of its tensor's stand-in. q, k,
     v give shapes, strides and dtype only; so do positions and the plan's counts where plan_refs
-    (positions, counts) stand for them in the arguments (a program's slots of a per-call plan)."""
+    (positions, counts) stand for them in the arguments (a program's slots of a per-call plan).
+    out_strides: out's batch, head and row strides (None: contiguous)."""
     kern = _load()
     q_ref, k_ref, v_ref, out, acc, lse = refs
     b, hq, n, d = q.shape
@@ -358,9 +361,10 @@ def prepare(q, k, v, plan, positions, *, is_causal: bool, scale: float, first: b
         coords = [s for x in (q, k, v) for s in (*x.stride()[:3], 0)]
         regs = dict(GATHER=True, RUN=0, **_GATHER_PRODUCER)
     pos_arg, cnt_arg = plan_refs or (positions, counts)
+    out_strides = out_strides or (hq * n * v.shape[-1], n * v.shape[-1], v.shape[-1])
     args = [*tensors, out, acc, lse, pos_arg, scale * LOG2E, hq, n, hq // k.shape[1], r, w,
             positions.stride(0), positions.stride(1), cnt_arg, counts.stride(0), counts.stride(1),
-            *coords]
+            *coords, *out_strides]
     kwargs = dict(FIRST=first, LAST=last, CAUSAL=bool(is_causal), HEAD_D=d, PARTIAL=partial,
                   CHUNK=chunk_sets(grid, is_causal), **tiles, **regs)
     return kern._fwd_kernel, grid, args, kwargs

@@ -219,20 +219,22 @@ def _past_count(s, key_first, count, BLOCK_N: gl.constexpr, layout: gl.constexpr
 
 
 @gluon.jit
-def _merge_rows(acc, m_i, l_i, old, Out, Acc, Lse, rows, valid,
+def _merge_rows(acc, m_i, l_i, old, Out, Acc, Lse, rows, out_rows, valid,
                 HEAD_D: gl.constexpr, NW: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
                 PARTIAL: gl.constexpr):
     """This branch's rows (o = acc / l, lse) merged into the branches' before: `rows` (int64, of
-    the flat [B * H * N] row index of Out, Acc and Lse); PARTIAL: those where `valid` holds
-    (members of a partial set past its count are no rows). Loads and stores stay in wgmma's
-    layout (each thread's pairs of columns fill whole 32-byte sectors)."""
+    the flat [B * H * N] row index of Acc and Lse), `out_rows` (int64, where each row starts in
+    Out); PARTIAL: those where `valid` holds (members of a partial set past its count are no
+    rows). Loads and stores stay in wgmma's layout (each thread's pairs of columns fill whole
+    32-byte sectors)."""
     layout: gl.constexpr = _mma_layout(NW, HEAD_D)
     rows_l: gl.constexpr = gl.SliceLayout(1, layout)
     cols_l: gl.constexpr = gl.SliceLayout(0, layout)
     l_r = gl.convert_layout(l_i, rows_l)
     lse = (gl.convert_layout(m_i, rows_l) + gl.log2(l_r)) * 0.6931471805599453
     o = acc * gl.expand_dims(1.0 / l_r, 1)
-    offs = gl.expand_dims(rows * HEAD_D, 1) + gl.expand_dims(gl.arange(0, HEAD_D, layout=cols_l), 0)
+    cols = gl.expand_dims(gl.arange(0, HEAD_D, layout=cols_l), 0)
+    offs = gl.expand_dims(rows * HEAD_D, 1) + cols
     if PARTIAL:
         live = gl.expand_dims(valid, 1) & (offs >= 0)
     else:
@@ -246,15 +248,17 @@ def _merge_rows(acc, m_i, l_i, old, Out, Acc, Lse, rows, valid,
         prev = gl.load(Acc + offs, mask=seen, other=0.0)
         o = prev * gl.expand_dims(w_old / total, 1) + o * gl.expand_dims(w_new / total, 1)
         lse = top + gl.log(total)
+    if LAST:
+        out_offs = gl.expand_dims(out_rows, 1) + cols
     if PARTIAL:
         if LAST:
-            gl.store(Out + offs, o.to(Out.dtype.element_ty), mask=live)
+            gl.store(Out + out_offs, o.to(Out.dtype.element_ty), mask=live)
         else:
             gl.store(Acc + offs, o, mask=live)
         gl.store(Lse + rows, lse, mask=valid)
     else:
         if LAST:
-            gl.store(Out + offs, o.to(Out.dtype.element_ty))
+            gl.store(Out + out_offs, o.to(Out.dtype.element_ty))
         else:
             gl.store(Acc + offs, o)
         gl.store(Lse + rows, lse)
@@ -262,7 +266,7 @@ def _merge_rows(acc, m_i, l_i, old, Out, Acc, Lse, rows, valid,
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc, Lse,
-              Pos, qk_scale, first_row, R, pos_q, q_first, n_tiles, count,
+              Pos, qk_scale, first_row, out_first, ON, R, pos_q, q_first, n_tiles, count,
               CID: gl.constexpr, NW: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_D: gl.constexpr, STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
               GATHER: gl.constexpr, CAUSAL: gl.constexpr, CP_ASYNC: gl.constexpr,
@@ -353,10 +357,12 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     mbarrier.arrive(v_empty.index(last), count=1)
     if GATHER:
         rows = first_row + q_pos.to(gl.int64)
+        out_rows = out_first + q_pos.to(gl.int64) * ON
     else:
         rows = first_row + members.to(gl.int64) * R
-    _merge_rows(acc, m_i, l_i, old_lse, Out, Acc, Lse, rows, valid, HEAD_D, NW, FIRST, LAST,
-                PARTIAL)
+        out_rows = out_first + members.to(gl.int64) * (R * ON)
+    _merge_rows(acc, m_i, l_i, old_lse, Out, Acc, Lse, rows, out_rows, valid, HEAD_D, NW, FIRST,
+                LAST, PARTIAL)
 
 
 @gluon.jit
@@ -389,7 +395,7 @@ def _scheduled(CAUSAL: gl.constexpr, CHUNK: gl.constexpr):
 @gluon.jit
 def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
                 H, N, GROUP, R: gl.constexpr, W, stride_po, stride_ps, Cnt, stride_co, stride_cs,
-                QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD,
+                QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, OB, OH, ON,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                 STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
                 GATHER: gl.constexpr, CAUSAL: gl.constexpr, RUN: gl.constexpr,
@@ -406,7 +412,9 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     Qx, Kx, Vx are the tensors and (A, B, C) their batch, head and row strides, or, when RUN > 0
     (the members come in stride-R runs of RUN), descriptors as above with boxes of RUN rows.
     PARTIAL (GATHER, RUN == 0): set j of offset o has Cnt[o, j] members (a packed row's plan);
-    CTAs past it end at once, the others stop at its last key tile."""
+    CTAs past it end at once, the others stop at its last key tile. Out's element (b, h, n, 0)
+    is at b * OB + h * OH + n * ON (the op's output is [B, N, H, D] in memory, as
+    FlashAttention's, so that a model's output projection reads it without a copy)."""
     tile, seg, bh = _scheduled(CAUSAL, CHUNK)
     if CAUSAL:  # rank 0 is the last query tile, the longest
         tile = gl.num_programs(0) - 1 - tile
@@ -433,12 +441,15 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     if GATHER:
         q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
         kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
-        first_row = bh.to(gl.int64) * N  # Out, Acc, Lse: [B, H, N]
+        first_row = bh.to(gl.int64) * N  # Acc, Lse: [B, H, N]
+        out_first = b.to(gl.int64) * OB + h.to(gl.int64) * OH
         pos_set = off * stride_po + seg * stride_ps
     else:
         q_sl: gl.constexpr = Qx.layout
         kv_sl: gl.constexpr = Kx.layout
         first_row = bh.to(gl.int64) * N + seg * W + off + q_first * R
+        out_first = (b.to(gl.int64) * OB + h.to(gl.int64) * OH
+                     + (seg * W + off + q_first * R).to(gl.int64) * ON)
         pos_set = 0
 
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, HEAD_D], q_sl)
@@ -461,13 +472,13 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     # its constexprs into tensors).
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc,
-                     Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles, count,
-                     0, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
-                     CAUSAL, CP_ASYNC, PARTIAL)),
+                     Lse, Pos, qk_scale, first_row, out_first, ON, R, pos_set + q_first, q_first,
+                     n_tiles, count, 0, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST,
+                     LAST, GATHER, CAUSAL, CP_ASYNC, PARTIAL)),
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc,
-                     Lse, Pos, qk_scale, first_row, R, pos_set + q_first, q_first, n_tiles, count,
-                     1, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER,
-                     CAUSAL, CP_ASYNC, PARTIAL)),
+                     Lse, Pos, qk_scale, first_row, out_first, ON, R, pos_set + q_first, q_first,
+                     n_tiles, count, 1, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST,
+                     LAST, GATHER, CAUSAL, CP_ASYNC, PARTIAL)),
         (_load_partition, (Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
                            v_ready, v_empty, b, h, hk, off, seg, set_len, R, pos_set, q_first,
                            n_tiles, QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, BLOCK_M,

@@ -163,6 +163,36 @@ def _from_rows(x: Tensor, rows: Tensor) -> Tensor:
     return picked.masked_fill(~inside, empty)
 
 
+def _bnhd(x: Tensor) -> Tensor:
+    """x [B, H, N, D] laid out as [B, N, H, D] in memory: the op's output, as FlashAttention's
+    (the Triton lowering writes it so; the others' results are copied)."""
+    if x.transpose(1, 2).is_contiguous():
+        return x
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _like(grad: Tensor, x: Tensor) -> Tensor:
+    """The gradient of x in x's dtype and laid out as torch.empty_like(x) lays it out (x's own
+    strides when x is dense), as the backward's fake says; a copy only where the lowering wrote
+    another layout."""
+    if grad.dtype == x.dtype and grad.stride() == x.stride():
+        return grad
+    like = torch.empty_like(x)
+    if grad.dtype == x.dtype and grad.stride() == like.stride():
+        return grad
+    return like.copy_(grad)
+
+
+def _dense(x: Tensor) -> Tensor:
+    """x [B, H, N, D] as it is when contiguous, or contiguous as [B, N, H, D] (the layout in
+    which a model's output projection hands back the gradient of the op's output: a copy of it
+    cost 0.8 ms of a 32K Llama step), else a contiguous copy. The lowerings read either layout
+    through its strides."""
+    if x.is_contiguous() or x.transpose(1, 2).is_contiguous():
+        return x
+    return x.contiguous()
+
+
 def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
@@ -174,7 +204,7 @@ def _run_forward(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, a
     check_same_dtype(q, k, v)
     if _empty(q, v):  # as SDPA: empty in, empty out (the lowerings index a set's last member)
         b, hq, n, _ = q.shape
-        return (q.new_zeros(b, hq, n, v.shape[-1]),
+        return (q.new_zeros(b, n, hq, v.shape[-1]).transpose(1, 2),
                 q.new_full((b, hq, n), float("-inf"),
                            dtype=torch.promote_types(q.dtype, torch.float32)), None)
     dtype = _compute_dtype(q, lowering)
@@ -182,7 +212,7 @@ def _run_forward(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, a
     out, lse = _forward(_as(q, dtype), _as(k, dtype), _as(v, dtype), layout, segment_lengths,
                         dilation_rates, hilbert, is_causal, attn_mask, dropout_p, seed, scale,
                         lowering)
-    return _as(out, q.dtype).contiguous(), lse.contiguous(), layout
+    return _bnhd(_as(out, q.dtype)), lse.contiguous(), layout
 
 
 def _run_backward(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert, is_causal,
@@ -190,15 +220,14 @@ def _run_backward(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilb
                   layout=None):
     """(dq, dk, dv) in the inputs' dtypes; layout: the forward's, else built again."""
     if _empty(q, v):  # every gradient has a zero-size dimension, or no row reaches it
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if layout is None:
         layout = _layout(q, k, segment_lengths, dilation_rates, hilbert, position_ids, seqused_k)
     dtype = _compute_dtype(q, lowering)
     dq, dk, dv = _backward_in(_as(dout, dtype), _as(q, dtype), _as(k, dtype), _as(v, dtype),
                               _as(out, dtype), lse, layout, segment_lengths, dilation_rates,
                               hilbert, is_causal, attn_mask, dropout_p, seed, scale, lowering)
-    return (_as(dq, q.dtype).contiguous(), _as(dk, k.dtype).contiguous(),
-            _as(dv, v.dtype).contiguous())
+    return _like(dq, q), _like(dk, k), _like(dv, v)
 
 
 def _backward_in(dout, q, k, v, out, lse, layout, segment_lengths, dilation_rates, hilbert,
@@ -234,7 +263,8 @@ def _op_forward(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[int],
                 attn_mask: Optional[Tensor], dropout_p: float, seed: Optional[Tensor],
                 scale: float, lowering: str, position_ids: Optional[Tensor] = None,
                 seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """Returns (out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] in float32 or wider).
+    """Returns (out [B, Hq, Nq, Dv] in q's dtype, [B, Nq, Hq, Dv] in memory; lse [B, Hq, Nq] in
+    float32 or wider).
 
     position_ids (int64 [B, Nk] or [1, Nk], negative: padding) and seqused_k (int64 [B]) are the
     sequence structure of SPEC section 5, already checked and normalised by the front."""
@@ -248,7 +278,7 @@ def _op_fake(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_
              seed, scale, lowering, position_ids=None, seqused_k=None):
     check_same_dtype(q, k, v)
     b, h, n, _ = q.shape
-    out = q.new_empty(b, h, n, v.shape[-1])
+    out = q.new_empty(b, n, h, v.shape[-1]).transpose(1, 2)  # as _run_forward's: _bnhd
     lse = q.new_empty(b, h, n, dtype=torch.promote_types(q.dtype, torch.float32))
     return out, lse
 
@@ -267,7 +297,7 @@ def _op_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse
 def _op_backward_fake(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert,
                       is_causal, attn_mask, dropout_p, seed, scale, lowering, position_ids=None,
                       seqused_k=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # as _like
 
 
 def _register(name: str, tags: tuple):
@@ -295,7 +325,7 @@ def _register(name: str, tags: tuple):
             return (None,) * 14
         segment_lengths, dilation_rates, hilbert, is_causal, dropout_p, scale, lowering = \
             ctx.config
-        dq, dk, dv = backward_op(dout.contiguous(), q, k, v, out, lse, segment_lengths,
+        dq, dk, dv = backward_op(_dense(dout), q, k, v, out, lse, segment_lengths,
                                  dilation_rates, hilbert, is_causal, attn_mask, dropout_p, seed,
                                  scale, lowering, position_ids, seqused_k)
         return (dq, dk, dv) + (None,) * 11
@@ -343,7 +373,7 @@ class _EagerAttention(torch.autograd.Function):
         q, k, v, out, lse, attn_mask, seed = ctx.saved_tensors
         segment_lengths, dilation_rates, hilbert, is_causal, dropout_p, scale, lowering = \
             ctx.config
-        dq, dk, dv = _run_backward(dout.contiguous(), q, k, v, out, lse, segment_lengths,
+        dq, dk, dv = _run_backward(_dense(dout), q, k, v, out, lse, segment_lengths,
                                    dilation_rates, hilbert, is_causal, attn_mask, dropout_p,
                                    seed, scale, lowering, None, None, ctx.layout)
         return dq, dk, dv, None

@@ -66,7 +66,7 @@ from . import block_attention, ring_agree, ring_transport, sdpa_lowering, triton
 from .arguments import check_branches, check_flags, check_lowering, problem, resolve_lowering
 from .autocast import register_autocast
 from .dropout import new_seed
-from .op import _compute_dtype, _op_backward_fake, _op_fake
+from .op import _bnhd, _compute_dtype, _like, _op_backward_fake, _op_fake
 from .ring_agree import group_name_of
 from .ring_plan import RingPlan, plan_bytes, ring_plan
 from .ring_transport import comm_stats, reset_comm_stats
@@ -432,7 +432,7 @@ def ring_dilated_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_lengths: 
                  attn_mask, dropout_p, seed, scale, lowering, group_name)
     out, lse = _forward(*(x.to(call.dtype) for x in (q, k, v)), call, is_causal=is_causal,
                         scale=scale, dropout_p=dropout_p)
-    return out.to(q.dtype).contiguous(), lse.contiguous()
+    return _bnhd(out.to(q.dtype)), lse.contiguous()  # the single-device op's layout
 
 
 @ring_dilated_attention_op.register_fake
@@ -451,7 +451,7 @@ def ring_dilated_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Te
                  attn_mask, dropout_p, seed, scale, lowering, group_name)
     dq, dk, dv = _backward(*(x.to(call.dtype) for x in (dout, q, k, v, out)), lse, call,
                            is_causal=is_causal, scale=scale, dropout_p=dropout_p)
-    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+    return _like(dq, q), _like(dk, k), _like(dv, v)  # the single-device op's layouts
 
 
 @ring_dilated_attention_backward_op.register_fake

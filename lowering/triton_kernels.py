@@ -241,7 +241,7 @@ def _fwd_tiles(acc, l_i, m_i, q, pos_m, offs_m, gs_m, ge_m, qhash, lo, hi,
 
 
 @triton.jit
-def _fwd_kernel(Out, Acc, Lse,
+def _fwd_kernel(Out, Acc, Lse, stride_ob, stride_oh, stride_on,
                 Q, K, V, Pos, Cnt, Grp, Mask, Seed, Rows,
                 stride_qb, stride_qh, stride_qn, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
@@ -261,7 +261,7 @@ def _fwd_kernel(Out, Acc, Lse,
     Computes the branch's attention for the tile's query rows and merges it by log-sum-exp
     into the running result of the branches launched before: (Acc float32, Lse), read unless
     FIRST. A LAST branch selects every position (r == 1, no padding) and writes the final Out in
-    q's dtype.
+    q's dtype, through its strides (the op's output is [B, N, H, D] in memory).
     Within one launch every (batch, head, position) belongs to one program: no races.
     """
     bh, b, h, count, start_m, first, set_base, offs_m, row_ok, pos_m = _query_tile(
@@ -324,7 +324,7 @@ def _fwd_kernel(Out, Acc, Lse,
     o = acc * (drop_scale / l_use)[:, None]
 
     offs_dv = tl.arange(0, BLOCK_DV)
-    rows = bh.to(tl.int64) * N + pos_m  # Out, Acc: contiguous [B, H, N, HEAD_DIM_V]; Lse: [B, H, N]
+    rows = bh.to(tl.int64) * N + pos_m  # Acc: contiguous [B, H, N, HEAD_DIM_V]; Lse: [B, H, N]
     ptr_off = rows[:, None] * HEAD_DIM_V + offs_dv[None, :]
     out_ok = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
     if not FIRST:  # merge with the branches before, by log-sum-exp in float32
@@ -340,7 +340,9 @@ def _fwd_kernel(Out, Acc, Lse,
         prev = tl.load(Acc + ptr_off, mask=out_ok & (old > float("-inf"))[:, None], other=0.0)
         o = prev * (w_old / total)[:, None] + o * (w_new / total)[:, None]
     if LAST:
-        tl.store(Out + ptr_off, o.to(Out.dtype.element_ty), mask=out_ok)
+        out_off = (b64 * stride_ob + h64 * stride_oh + pos_m.to(tl.int64) * stride_on)[:, None] \
+            + offs_dv[None, :]
+        tl.store(Out + out_off, o.to(Out.dtype.element_ty), mask=out_ok)
     else:
         tl.store(Acc + ptr_off, o, mask=out_ok)
     tl.store(Lse + rows, lse, mask=row_ok)

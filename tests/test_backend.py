@@ -102,6 +102,27 @@ def test_rewritten_graph_names_the_lowering():
     assert "scaled_dot_product_attention" not in report.graph_after[0]
 
 
+def test_compiling_a_rewritten_graph_tags_inductor_s_caches_with_the_op_s_definition():
+    """Inductor's and AOTAutograd's cache keys do not cover a custom op's fake implementation:
+    the backend adds a digest of the op's definition to torch.compiler.config.cache_key_tag, so
+    that a graph compiled against another version of the op is compiled again, not loaded with
+    that version's output strides (which its stride checks would refuse)."""
+    before = torch.compiler.config.cache_key_tag
+    try:
+        torch.compiler.config.cache_key_tag = ""
+        torch._dynamo.reset()
+        model = TinyTransformer().eval()
+        torch.compile(model, backend=hilbert_fx.backend(W, R))(torch.randint(0, 50, (1, 20)))
+        tag = torch.compiler.config.cache_key_tag
+        assert tag.startswith("hilbert_fx-op-") and len(tag) == len("hilbert_fx-op-") + 16, tag
+        torch._dynamo.reset()
+        torch.compile(model, backend=hilbert_fx.backend(W, R))(torch.randint(0, 50, (1, 20)))
+        assert torch.compiler.config.cache_key_tag == tag  # added once
+    finally:
+        torch.compiler.config.cache_key_tag = before
+        torch._dynamo.reset()
+
+
 def test_cross_attention_is_left_alone_with_its_reason():
     torch.manual_seed(0)
     model = EncoderDecoder()

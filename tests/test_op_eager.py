@@ -184,6 +184,33 @@ class _Attention(torch.nn.Module):
         return hilbert_fx.dilated_attention(q, k, v, **self.kw)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("path", ["eager", "custom_op"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_out_and_gradients_have_the_layouts_the_fakes_give(name, path, layout):
+    """out is [B, N, H, Dv] in memory, as FlashAttention's (a model's output projection reads
+    it as [B, N, H * Dv] without a copy), and each gradient is laid out as its input
+    (torch.empty_like), as the fake implementations tell a compiler, whose compiled code
+    checks the strides; inputs contiguous, or [B, N, H, D] transposed as a model's
+    projections hand them over."""
+    q, k, v, kw = CASES[name]
+    if layout == "transposed":
+        q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+                   for t in (q, k, v))
+    with eager_or_custom_op(path):
+        out, grads, _ = run(q, k, v, kw)
+    assert out.transpose(1, 2).is_contiguous(), out.stride()
+    for grad, x in zip(grads, (q, k, v)):
+        assert grad.stride() == x.stride(), (grad.stride(), x.stride())
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    if "seqused_k" in kw:  # the front reads a cache's lengths: no fake tensors there
+        return
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        fake = hilbert_fx.dilated_attention(fq, fk, fv, **kw)
+    assert fake.stride() == out.stride()
+
+
 @pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
 def test_export_shows_the_custom_op(strict):
     q, k, v, kw = CASES["hilbert_causal"]
