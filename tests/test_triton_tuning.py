@@ -167,13 +167,14 @@ SHARED = ["Q", "K", "V", "DO", "Pos", "Cnt", "Grp", "Mask", "Seed", "Rows",
 
 
 @pytest.mark.parametrize("kernel,own,after,backward", [
-    ("_fwd_kernel", ["Out", "Acc", "Lse"], [], False),
+    ("_fwd_kernel", ["Out", "Acc", "Lse", "stride_ob", "stride_oh", "stride_on"], [], False),
     ("_bwd_dkdv_kernel", ["DK", "DV", "DQ", "DKO", "DVO", "Seen", "Lse2", "Delta"], ["NUM_CLASSES"],
      True),
     ("_bwd_dq_kernel", ["DQ", "DQO", "Seen", "Lse2", "Delta"], [], True)])
 def test_kernels_take_the_shared_operands(kernel, own, after, backward):
-    """Each branch kernel's runtime parameters are its own buffers, the run Call.operands builds
-    (DO and its strides only in the backward's), then its own scalars."""
+    """Each branch kernel's runtime parameters are its own buffers (with the strides of the
+    forward's Out), the run Call.operands builds (DO and its strides only in the backward's),
+    then its own scalars."""
     from hilbert_fx.lowering import triton_kernels, triton_lowering
     q, k, v, dout = _inputs()
     call = triton_lowering._call(q, k, v, attn_mask=None, dropout_p=0.0, seed=None,
