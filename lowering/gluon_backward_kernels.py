@@ -247,7 +247,7 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
             pos = gl.load(Pos + pos_set + t0 * BLOCK_M + q_members)
             lse = gl.load(Lse2 + q_head_row + pos)
             dl = gl.load(Delta + q_head_row + pos)
-            hi_n, t_n = _next_pair(0, t0, t0, n_q, n_heads)
+            _, t_n = _next_pair(0, t0, t0, n_q, n_heads)
             pos_n = gl.load(Pos + pos_set + t_n * BLOCK_M + q_members)
         else:
             lse = gl.load(Lse2 + q_head_row + set_row + t0 * (BLOCK_M * R) + q_offs)
@@ -267,7 +267,7 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
                 if GATHER:
                     lse_n = gl.load(Lse2 + next_row + pos_n)
                     dl_n = gl.load(Delta + next_row + pos_n)
-                    hi_nn, t_nn = _next_pair(hi_n, t_n, t0, n_q, n_heads)
+                    _, t_nn = _next_pair(hi_n, t_n, t0, n_q, n_heads)
                     pos_nn = gl.load(Pos + pos_set + t_nn * BLOCK_M + q_members)
                 else:
                     lse_n = gl.load(Lse2 + next_row + set_row + t_n * (BLOCK_M * R) + q_offs)
@@ -356,7 +356,8 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
                 sm_scale, H, HKV, N, GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt, stride_co,
                 stride_cs,
                 QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, OA, OB, OC, OD,
-                DKOB, DKOH, DKON, DVOB, DVOH, DVON, R: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+                DKOB, DKOH, DKON, DVOB, DVOH, DVON,
+                R: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
                 STAGES: gl.constexpr, GATHER: gl.constexpr, CAUSAL: gl.constexpr,
                 FIRST: gl.constexpr, LAST: gl.constexpr, ONE_HEAD: gl.constexpr,
                 RUN: gl.constexpr, PARTIAL: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
@@ -375,8 +376,9 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     and row strides, or, when RUN > 0 (members in stride-R runs of RUN), descriptors as above
     with boxes of RUN rows. Lse2, Delta, DQ are contiguous over [B, H, N], DK, DV over
     [B, HKV, N] (DKO, DVO, the gradients in k's and v's layouts: element (b, g, n, 0) of DKO at
-    b * DKOB + g * DKOH + n * DKON, DVO's likewise), Seen over [HKV, N]. PARTIAL (GATHER, RUN == 0): set j of offset o has
-    Cnt[o, j] members (a packed row's plan); programs past it end at once."""
+    b * DKOB + g * DKOH + n * DKON, DVO's likewise), Seen over [HKV, N]. PARTIAL (GATHER,
+    RUN == 0): set j of offset o has Cnt[o, j] members (a packed row's plan); programs past it
+    end at once."""
     key_tile, seg, pid = _scheduled(CAUSAL, CHUNK)
     cls = pid % NUM_CLASSES
     bg = pid // NUM_CLASSES
@@ -447,14 +449,14 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
         (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty,
                      do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
                      qk_scale, sm_scale, q_head_row, R * N, kv_head_row, dko_base, DKON,
-                     dvo_base, DVON, g * N, set_row, pos_set,
-                     key_first, t0, n_q, n_heads, count, R, 0, num_warps, BLOCK_M, HEAD_D, STAGES,
+                     dvo_base, DVON, g * N, set_row, pos_set, key_first, t0, n_q, n_heads, count,
+                     R, 0, num_warps, BLOCK_M, HEAD_D, STAGES,
                      GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL)),
         (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty,
                      do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
                      qk_scale, sm_scale, q_head_row, R * N, kv_head_row, dko_base, DKON,
-                     dvo_base, DVON, g * N, set_row, pos_set,
-                     key_first, t0, n_q, n_heads, count, R, 1, num_warps, BLOCK_M, HEAD_D, STAGES,
+                     dvo_base, DVON, g * N, set_row, pos_set, key_first, t0, n_q, n_heads, count,
+                     R, 1, num_warps, BLOCK_M, HEAD_D, STAGES,
                      GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL)),
         (_load_partition, (Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
                            kv_bar, q_ready, q_empty, do_ready, do_empty, b, g, h, off, seg,

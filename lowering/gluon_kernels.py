@@ -368,9 +368,10 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
 @gluon.jit
 def _scheduled(CAUSAL: gl.constexpr, CHUNK: gl.constexpr):
     """(rank, segment, program of the third grid dimension) of this CTA: its program ids, or,
-    under causal masks, whose tiles differ in work: the longest tile of a set has 16 times the shortest's at sets
-    of 2048. The grid (tiles, segments, third) is read as chunks of CHUNK sets (CHUNK divides
-    segments * third: lowering/gluon_forward.chunk_sets); within a chunk, the CTAs of rank 0
+    under causal masks, whose tiles differ in work (the longest tile of a set has 16 times the
+    shortest's at sets of 2048), this order: the grid (tiles, segments, third) is read as
+    chunks of CHUNK sets (CHUNK divides segments * third: lowering/gluon_forward.chunk_sets);
+    within a chunk, the CTAs of rank 0
     (each set's longest tile, the caller's choice which) run first, then rank 1, ..., so the
     last wave of a launch holds its shortest tiles rather than some of its longest
     (longest-first scheduling, as FlashAttention-3's causal scheduler). A chunk's sets run

@@ -115,10 +115,11 @@ def _load_rows(base, pos, stride_n, stride_d, row_ok, DIM: tl.constexpr, BLOCK_D
 @triton.jit
 def _scheduled(CAUSAL: tl.constexpr, CHUNK: tl.constexpr):
     """(rank, program, segment) of a program of the grid (tiles, programs, segments): its
-    program ids, or, under causal masks, the grid read as chunks of CHUNK sets (CHUNK divides programs * segments), the programs
-    of rank 0 of a chunk's sets first: the caller makes rank 0 its sets' longest tile, so that a
-    launch's last wave holds its shortest (lowering/gluon_kernels.py's `_scheduled`, the same
-    order over that kernel's grid, says why)."""
+    program ids, or, under causal masks, the grid read as chunks of CHUNK sets (CHUNK divides
+    programs * segments), the programs of rank 0 of a chunk's sets first: the caller makes rank
+    0 its sets' longest tile, so that a launch's last wave holds its shortest
+    (lowering/gluon_kernels.py's `_scheduled`, the same order over that kernel's grid, says
+    why)."""
     if CAUSAL:
         tiles = tl.num_programs(0)
         programs = tl.num_programs(1)
