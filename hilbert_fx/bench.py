@@ -72,22 +72,79 @@ def _flex_fn(n, h, segment_lengths, dilation_rates, hilbert, causal, device):
     return lambda q, k, v: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
 
-def _floor_fn(q, k, v, segment_lengths, dilation_rates, hilbert, causal):
-    """cuDNN attention on every branch's selected sets, gathered before the timing starts."""
+def _floor_fn(q, k, v, segment_lengths, dilation_rates, hilbert, causal, mask=None,
+              dropout_p=0.0):
+    """cuDNN attention on every branch's selected sets, gathered before the timing starts.
+
+    With a mask ([1, 1, N, N]) each set's block of it is gathered too, as an additive float
+    mask (0 or the dtype's lowest where a boolean one forbids: SDPA would convert a boolean
+    mask on every call), one call per offset class, whose heads share their sets and so the
+    mask's block (broadcast over them, as the op reads one mask for every head). cuDNN where
+    it takes the mask or dropout, else the next of FlashAttention and the memory-efficient
+    kernel that does: `floor_backend` says which ran."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     b, h, n, d = q.shape
-    blocks = []
+    blocks, masks = [], []
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+            ~mask, torch.finfo(q.dtype).min)
+
+    def gathered(t, heads, pos):  # [b, heads, S, L, d] -> [b * S, heads, L, d]
+        x = t[:, heads][:, :, pos].transpose(1, 2)
+        return x.reshape(-1, *x.shape[2:]).detach().requires_grad_(t.requires_grad)
+
     for plan in branch_plans(n, segment_lengths, dilation_rates, hilbert, q.device):
         pos = plan.for_heads(h).clamp(max=n - 1)  # [H, S, L]
-        heads = torch.arange(h, device=q.device).view(h, 1, 1)
-        blocks.append([t[:, heads, pos].reshape(b, -1, pos.shape[-1], d).detach().requires_grad_(t.requires_grad)
-                       for t in (q, k, v)])
+        if mask is None:
+            heads = torch.arange(h, device=q.device).view(h, 1, 1)
+            blocks.append([t[:, heads, pos].reshape(b, -1, pos.shape[-1], d).detach()
+                           .requires_grad_(t.requires_grad) for t in (q, k, v)])
+            masks.append(None)
+            continue
+        r = plan.dilation_rate
+        for o in range(min(r, h)):  # query head x selects offset x % r (SPEC)
+            heads = torch.arange(o, h, r, device=q.device)
+            p = pos[o]  # [S, L]
+            blocks.append([gathered(t, heads, p) for t in (q, k, v)])
+            m = mask[0, 0][p[:, :, None], p[:, None, :]]  # [S, L, L]
+            masks.append(m.unsqueeze(0).expand(b, *m.shape).reshape(-1, 1, *m.shape[1:]))
 
-    def run():
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            return [F.scaled_dot_product_attention(*blk, is_causal=causal) for blk in blocks]
-    return run, blocks
+    def run_on(backends):
+        def run():
+            with sdpa_kernel(backends):
+                return [F.scaled_dot_product_attention(*blk, attn_mask=m, dropout_p=dropout_p,
+                                                       is_causal=causal)
+                        for blk, m in zip(blocks, masks)]
+        return run
+
+    for name, backend in (("cuDNN", SDPBackend.CUDNN_ATTENTION),
+                          ("FlashAttention", SDPBackend.FLASH_ATTENTION),
+                          ("memory-efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        run = run_on([backend])
+        try:
+            with torch.no_grad():
+                run()
+        except RuntimeError:  # this kernel does not take the mask or dropout
+            continue
+        floor_backend[0] = name
+        return run, blocks
+    raise RuntimeError("no SDPA kernel runs the floor's blocks")
+
+
+floor_backend = ["cuDNN"]  # the kernel the last floor ran on (_floor_fn)
+
+
+def user_mask(kind: str, n: int, dtype, device):
+    """The benchmark's mask for --mask: [1, 1, N, N], broadcast over batch and heads, as the
+    padding and bias masks of models are. bool: 10% of entries forbidden at random; float: a
+    bias drawn from N(0, 1/4), in the inputs' dtype."""
+    if kind == "none":
+        return None
+    gen = torch.Generator(device).manual_seed(0)
+    if kind == "bool":
+        return torch.rand(1, 1, n, n, device=device, generator=gen) > 0.1
+    return (torch.randn(1, 1, n, n, device=device, generator=gen) * 0.5).to(dtype)
 
 
 def _time(fn, backward, inputs):
@@ -119,18 +176,20 @@ def run_one(method, n, args, backward, device):
     shape = (args.batch, args.heads, n, args.head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=backward) for _ in range(3))
     w, r = args.segment_lengths, args.dilation_rates
+    mask, p = user_mask(args.mask, n, dtype, device), args.dropout
     if method == "dense":
-        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)  # noqa: E731
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,  # noqa: E731
+                                                    is_causal=args.causal)
         return _time(fn, backward, [q, k, v])
     if method == "flex":
         flex = _flex_fn(n, args.heads, w, r, args.hilbert, args.causal, device)
         return _time(lambda: flex(q, k, v), backward, [q, k, v])
     if method in ("sdpa", "triton"):
         fn = lambda: dilated_attention(q, k, v, w, r, hilbert=args.hilbert, is_causal=args.causal,  # noqa: E731
-                                       lowering=method)
+                                       attn_mask=mask, dropout_p=p, lowering=method)
         return _time(fn, backward, [q, k, v])
     if method == "floor":
-        fn, blocks = _floor_fn(q, k, v, w, r, args.hilbert, args.causal)
+        fn, blocks = _floor_fn(q, k, v, w, r, args.hilbert, args.causal, mask, p)
         return _time(fn, backward, [t for blk in blocks for t in blk])
     raise ValueError(f"unknown method {method!r}")
 
@@ -148,6 +207,10 @@ def parse_args(argv=None):
     p.add_argument("--dilation-rates", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--hilbert", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--mask", choices=["none", "bool", "float"], default="none",
+                   help="a user's mask of [1, 1, N, N] (user_mask) for every method but flex")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="attention dropout for every method but flex")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--mode", choices=["fwd", "fwdbwd", "both"], default="both")
     p.add_argument("--max-len", type=str, nargs="*", default=["dense=131072", "flex=65536", "sdpa=262144"],
@@ -229,6 +292,11 @@ def main(argv=None):
     title = (f"{gpu}, {args.dtype}, B={args.batch} H={args.heads} D={args.head_dim}, branches "
              f"{list(zip(args.segment_lengths, args.dilation_rates))}, hilbert={args.hilbert}, "
              f"causal={args.causal}")
+    if args.mask != "none" or args.dropout:
+        title += f", mask={args.mask}, dropout={args.dropout}"
+        if "flex" in args.methods:  # its score_mod and block mask carry the pattern alone
+            args.methods = [m for m in args.methods if m != "flex"]
+            print("flex left out: it is timed without a user's mask or dropout")
     if args.rounds > 1:
         title += f"; median of {args.rounds} rounds, the methods timed in turn"
     samples, largest, stopped = {}, {}, set()
@@ -263,6 +331,8 @@ def main(argv=None):
         rows.append(dict(N=n, mode=mode, method=method, ms=ms, tflops=flops / ms / 1e9,
                          us_per_token=ms * 1e3 / n))
 
+    if "floor" in args.methods:
+        title += f"; floor on {floor_backend[0]}"
     text = format_table(rows, title, args.methods, args.seq_lens, modes, largest,
                         gluon_forward.kernel_choices() if "triton" in args.methods else [])
     print(text)

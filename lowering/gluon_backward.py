@@ -4,12 +4,15 @@ lowering/triton_lowering.py's backward asks `unsupported(...)` for each branch: 
 branch's dq, dk, dv come from here, a string says why the Triton kernels compute them instead
 (logged once per reason, as the forward's choice is: lowering/gluon_forward.py). A branch runs
 here on the same terms as the Hopper forward (compute capability 9.x, Triton 3.6, float16 or
-bfloat16, head dims 64 and 128, no mask, no dropout, w / r a multiple of 128 (whole sets, or
+bfloat16, head dims 64 and 128, a user's mask or dropout or neither (dropout at D = 64 too,
+where the forward leaves it to the Triton kernel), w / r a multiple of 128 (whole sets, or
 partial ones gathered: gluon_forward.partial_sets), q, k, v contiguous or
 [B, N, H, D] transposed, N * D and Hkv * N under 2**31), and not when deterministic algorithms
 are asked for: dq is added by float32 atomics in an order that varies.
 """
 from __future__ import annotations
+
+import torch
 
 from . import gluon_forward
 from .triton_plans import plan_tensors
@@ -35,9 +38,10 @@ def _load():
 
 
 def unsupported(q, k, v, plan, *, is_causal: bool, mask_kind: int, dropout: bool, scale: float,
-                deterministic: bool) -> str | None:
+                deterministic: bool, mask_strides=(0, 0, 0, 0)) -> str | None:
     """None when the Hopper kernel can run this branch's backward, else why not."""
-    reason = gluon_forward._unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale)
+    reason = gluon_forward._unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale,
+                                        mask_strides)
     n = q.shape[2]
     if reason is None and deterministic:
         reason = "deterministic algorithms asked for (the Hopper kernel adds dq by atomics)"
@@ -47,19 +51,25 @@ def unsupported(q, k, v, plan, *, is_causal: bool, mask_kind: int, dropout: bool
 
 
 def launch(q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2, delta, plan, positions, *,
-           is_causal: bool, scale: float, first: bool, last: bool) -> None:
+           is_causal: bool, scale: float, first: bool, last: bool, mask=None, seed=None,
+           dropout_rows=None, keep_threshold: int = 0, drop_scale: float = 1.0) -> None:
     """One branch's gradients, as lowering/triton_kernels.py's dK/dV and dq kernels would leave
     them: dq (float32 [B, Hq, N, D], contiguous) gets this branch's share added by atomics; dk,
     dv (float32 [B, Hkv, N, D]) or, when `last`, dk_final, dv_final (k's dtype, any layout with
     unit column stride) get the key rows of its sets, plus what earlier branches left in dk, dv
     where `seen` ([Hkv, N] uint8) is set. lse2 = lse * log2 e and delta = rowsum(dout * out),
-    contiguous [B, Hq, N]."""
+    contiguous [B, Hq, N]. mask, seed, dropout_rows, keep_threshold, drop_scale: those of the
+    forward (gluon_forward.launch)."""
     if dout_needs_copy(dout, plan):
         dout = dout.contiguous()
+    if mask is not None and mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
     kernel, grid, args, kwargs = prepare(
         q, k, v, dout, plan, positions, is_causal=is_causal, scale=scale, first=first, last=last,
         refs=(q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2, delta),
-        final_strides=(*dk_final.stride()[:3], *dv_final.stride()[:3]))
+        final_strides=(*dk_final.stride()[:3], *dv_final.stride()[:3]),
+        user=gluon_forward.user_arguments(lse2, mask, seed, dropout_rows, keep_threshold,
+                                          drop_scale))
     kernel[grid](*[a.make(a.source) if isinstance(a, gluon_forward.Descriptor) else a
                    for a in args], **kwargs)
 
@@ -80,12 +90,13 @@ def dout_needs_copy(dout, plan) -> bool:
 
 
 def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, first: bool,
-            last: bool, refs, plan_refs=None, final_strides=None) -> tuple:
+            last: bool, refs, plan_refs=None, final_strides=None, user=None) -> tuple:
     """(kernel, grid, positional arguments, keyword arguments) of `launch` for a dout that needs
     no copy, where refs stand for (q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2,
     delta) in the arguments and a TMA descriptor is a gluon_forward.Descriptor of its tensor's
     stand-in, and plan_refs for (positions, counts) (as gluon_forward.prepare). final_strides:
-    the batch, head and row strides of dk_final, then of dv_final (None: contiguous)."""
+    the batch, head and row strides of dk_final, then of dv_final (None: contiguous). user: a
+    mask's and dropout's arguments (gluon_forward.user_arguments; None: neither)."""
     kern = _load()
     q_ref, k_ref, v_ref, do_ref, *buffers = refs
     b, hq, n, d = q.shape
@@ -115,7 +126,11 @@ def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, fi
     args = [*tensors, *buffers, pos_arg, scale * LOG2E, scale, hq, hkv, n, group, classes, w,
             positions.stride(0), positions.stride(1), cnt_arg, counts.stride(0), counts.stride(1),
             *coords, *(final_strides or (hkv * n * d, n * d, d) * 2)]
+    user_args, user_kinds = user or gluon_forward.user_arguments(buffers[-2], None, None, None,
+                                                                 0, 1.0)
+    args += user_args
     kwargs = dict(R=r, HEAD_D=d, CAUSAL=bool(is_causal), FIRST=first, LAST=last,
                   ONE_HEAD=group <= r, PARTIAL=partial,
-                  CHUNK=gluon_forward.chunk_sets(grid, is_causal), **_TILES, **regs)
+                  CHUNK=gluon_forward.chunk_sets(grid, is_causal), **_TILES, **regs,
+                  **user_kinds)
     return kern._bwd_kernel, grid, args, kwargs

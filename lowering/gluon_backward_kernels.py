@@ -27,14 +27,17 @@ lowering/triton_kernels.py's _add_rows does: float32 buffers DK, DV read only at
 branch wrote (Seen), a LAST branch writing DKO, DVO in k's dtype. Key rows of different programs
 never overlap within a launch (query heads of a kv head that share an offset h % r are one
 program's loop), so dK and dV need no atomics; dq does, and is not bitwise repeatable.
-Causal: a key tile's query tiles start at its diagonal, whose two tiles are masked.
+Causal: a key tile's query tiles start at its diagonal, whose two tiles are masked. A user's
+mask and dropout: P from the scores with the mask's entries (read while S^T and dP^T run), and
+dropout's keep bits drawn as the forward drew them (lowering/gluon_kernels.py).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                               tma, warpgroup_mma, warpgroup_mma_wait)
 
-from .gluon_kernels import CONSUMERS, _boxes, _gather_rows, _mma_layout, _scheduled, _tma_rows
+from .gluon_kernels import (CONSUMERS, _boxes, _gather_rows, _hashed, _keep, _key_positions, _mix32,
+                            _mma_layout, _scheduled, _tma_rows)
 
 KEYS = gl.constexpr(64)  # keys a consumer owns; a CTA owns CONSUMERS * KEYS
 
@@ -198,11 +201,13 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
               do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
               qk_scale, sm_scale, q_head_row, q_head_step, kv_head_row, dko_base, dko_sn,
               dvo_base, dvo_sn, seen_row, set_row, pos_set, key_first, t0, n_q, n_heads, count,
+              Mask, MH, MQ, MK, Seed, Rows, b, h, keep_threshold, drop_scale,
               R: gl.constexpr, CID: gl.constexpr,
               NW: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
               STAGES: gl.constexpr, GATHER: gl.constexpr, CAUSAL: gl.constexpr,
               FIRST: gl.constexpr, LAST: gl.constexpr, CP_ASYNC: gl.constexpr,
-              PARTIAL: gl.constexpr):
+              PARTIAL: gl.constexpr, MASK_KIND: gl.constexpr, DROPOUT: gl.constexpr,
+              ROWS: gl.constexpr):
     """Keys key_first + CID * KEYS + [0, KEYS) of the set, over query tiles t0 ... n_q - 1 of
     n_heads heads. Flat rows (of a query head in Lse2, Delta, DQ; of the kv head in DK, DV):
     member m of the set is set_row + m * R past the head's first row, or Pos[pos_set + m]
@@ -210,7 +215,12 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
     the rings were written by cp.async, which wgmma reads only after a proxy fence. PARTIAL:
     the set has `count` members; P is 0 for members past it, as queries and as keys, whose
     rows (the plan's padding positions) are neither read back nor written. DKO, DVO: key
-    row n of the kv head starts at dko_base + n * dko_sn (dvo_base + n * dvo_sn)."""
+    row n of the kv head starts at dko_base + n * dko_sn (dvo_base + n * dvo_sn).
+    MASK_KIND (1 boolean, 2 additive): the user's mask, entry (p, p') of query head x at Mask +
+    x * MH + p * MQ + p' * MK (Mask at the batch; p * MQ in int32, gluon_forward checks it
+    fits). DROPOUT: keep bits hashed from (Seed, b, head, positions; Rows under ROWS), as the
+    forward drew them: dV takes the kept P scaled by drop_scale, dP is kept and scaled alike,
+    and dS = P (dP - delta). The query heads of the loop are h, h + R, ..."""
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = _mma_layout(NW, BLOCK_M)         # S^T, dP^T: [KEYS, BLOCK_M]
     acc_layout: gl.constexpr = _mma_layout(NW, HEAD_D)        # dK, dV: [KEYS, HEAD_D]
@@ -236,6 +246,17 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
         q_offs = q_members * R
         dq_offs = gl.expand_dims(dq_members * (R * HEAD_D), 1) + dq_cols
     keys = key_first + CID * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+    # a user's mask or dropout: the keys' positions (fixed), the queries' (a tile's) below
+    USER: gl.constexpr = MASK_KIND != 0 or DROPOUT
+    if USER:
+        kpos = _key_positions(Pos, pos_set, set_row, keys, R, GATHER)
+        if MASK_KIND != 0:
+            cols = gl.arange(0, BLOCK_M, layout=col_l)
+        if MASK_KIND != 0:
+            m_keys = gl.expand_dims(kpos.to(gl.int64) * MK, 1)
+        if DROPOUT:
+            khash = gl.expand_dims(_hashed(Rows, kpos, ROWS), 1)
+            seed = gl.load(Seed).to(gl.uint32)
     # PREFETCH: a tile's lse2 and delta come from L2 while the tile before runs its products:
     # each iteration loads those of the next (head, tile) pair, and with GATHER the positions
     # of the pair after it, on which they depend. Waiting for them at the top of each iteration
@@ -256,6 +277,10 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
     it = 0
     for hi in range(n_heads):
         head_row = q_head_row + hi * q_head_step
+        if MASK_KIND != 0:
+            mask_head = Mask + (h + hi * R).to(gl.int64) * MH
+        if DROPOUT:  # lowering/gluon_kernels._head_hash, of this head
+            head_hash = _mix32(seed ^ _mix32(((b << 16) + h + hi * R).to(gl.uint32)))
         for t in range(t0, n_q):
             slot = it % STAGES
             phase = (it // STAGES) & 1
@@ -289,8 +314,22 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
                 fence_async_shared()
             dp_tok = warpgroup_mma(v_tile, do_smem.index(slot).permute((1, 0)), s_zero,
                                    use_acc=False, is_async=True)
+            if MASK_KIND != 0:  # loaded while the products run
+                qpos = _key_positions(Pos, pos_set, set_row, t * BLOCK_M + cols, R, GATHER)
+                m_val = gl.load(mask_head + m_keys + gl.expand_dims(qpos * MQ, 0))
+            if DROPOUT:  # the queries' hashes one a thread, then spread over the columns
+                qpos_v = _key_positions(Pos, pos_set, set_row, t * BLOCK_M + q_members, R,
+                                        GATHER)
+                qhash = gl.convert_layout(_mix32(head_hash ^ _hashed(Rows, qpos_v, ROWS)), col_l)
+                keep = _keep(gl.expand_dims(qhash, 0), khash, keep_threshold)
             s = warpgroup_mma_wait(1, deps=(s_tok, ))
-            p = gl.exp2(s * qk_scale - gl.expand_dims(gl.convert_layout(lse, col_l), 0))
+            if MASK_KIND == 2:
+                p = gl.exp2(s * qk_scale + m_val.to(gl.float32) * 1.4426950408889634
+                            - gl.expand_dims(gl.convert_layout(lse, col_l), 0))
+            else:
+                p = gl.exp2(s * qk_scale - gl.expand_dims(gl.convert_layout(lse, col_l), 0))
+                if MASK_KIND == 1:
+                    p = gl.where(m_val != 0, p, 0.0)
             if CAUSAL:
                 if t - t0 < 2:  # the diagonal's two tiles: keys after their query get nothing
                     queries = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_l)
@@ -300,12 +339,16 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
                 p = gl.where(gl.expand_dims(keys < count, 1) & gl.expand_dims(queries < count, 0),
                              p, 0.0)
             dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+            if DROPOUT:
+                dp = gl.where(keep, dp * drop_scale, 0.0)
             ds16 = (p * (dp - gl.expand_dims(gl.convert_layout(dl, col_l), 0))).to(dtype)
             buf = it % 2
             ds_smem.index(buf).slice(CID * KEYS, KEYS).store(ds16)
             fence_async_shared()
             gl.thread_barrier()  # every thread's dS^T rows stored and fenced before the arrival
             mbarrier.arrive(ds_bar.index(buf), count=1)
+            if DROPOUT:
+                p = gl.where(keep, p * drop_scale, 0.0)
             p16 = gl.convert_layout(p.to(dtype), a_layout)
             ds16a = gl.convert_layout(ds16, a_layout)
             dv_tok = warpgroup_mma(p16, do_smem.index(slot), dv, is_async=True)
@@ -357,12 +400,14 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
                 stride_cs,
                 QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, OA, OB, OC, OD,
                 DKOB, DKOH, DKON, DVOB, DVOH, DVON,
+                Mask, MB, MH, MQ, MK, Seed, Rows, keep_threshold, drop_scale,
                 R: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
                 STAGES: gl.constexpr, GATHER: gl.constexpr, CAUSAL: gl.constexpr,
                 FIRST: gl.constexpr, LAST: gl.constexpr, ONE_HEAD: gl.constexpr,
                 RUN: gl.constexpr, PARTIAL: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                CHUNK: gl.constexpr, num_warps: gl.constexpr):
+                CHUNK: gl.constexpr, num_warps: gl.constexpr, MASK_KIND: gl.constexpr = 0,
+                DROPOUT: gl.constexpr = False, ROWS: gl.constexpr = False):
     """Grid (set length / 128, segments, B * HKV * NUM_CLASSES): the key tile runs fastest;
     under CAUSAL the first key tiles (the longest: they meet every query tile after them) run
     first, the sets in chunks of CHUNK (lowering/gluon_kernels.py's `_scheduled`).
@@ -378,8 +423,9 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     [B, HKV, N] (DKO, DVO, the gradients in k's and v's layouts: element (b, g, n, 0) of DKO at
     b * DKOB + g * DKOH + n * DKON, DVO's likewise), Seen over [HKV, N]. PARTIAL (GATHER,
     RUN == 0): set j of offset o has Cnt[o, j] members (a packed row's plan); programs past it
-    end at once."""
-    key_tile, seg, pid = _scheduled(CAUSAL, CHUNK)
+    end at once. MASK_KIND, DROPOUT, ROWS and their arguments: as the forward's
+    (lowering/gluon_kernels.py's _fwd_kernel)."""
+    key_tile, seg, pid = _scheduled(CAUSAL, CHUNK, MASK_KIND != 0)
     cls = pid % NUM_CLASSES
     bg = pid // NUM_CLASSES
     b = bg // HKV
@@ -450,14 +496,16 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
                      do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
                      qk_scale, sm_scale, q_head_row, R * N, kv_head_row, dko_base, DKON,
                      dvo_base, DVON, g * N, set_row, pos_set, key_first, t0, n_q, n_heads, count,
-                     R, 0, num_warps, BLOCK_M, HEAD_D, STAGES,
-                     GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL)),
+                     Mask + b.to(gl.int64) * MB, MH, MQ, MK, Seed, Rows, b, h, keep_threshold,
+                     drop_scale, R, 0, num_warps, BLOCK_M, HEAD_D, STAGES,
+                     GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL, MASK_KIND, DROPOUT, ROWS)),
         (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty,
                      do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
                      qk_scale, sm_scale, q_head_row, R * N, kv_head_row, dko_base, DKON,
                      dvo_base, DVON, g * N, set_row, pos_set, key_first, t0, n_q, n_heads, count,
-                     R, 1, num_warps, BLOCK_M, HEAD_D, STAGES,
-                     GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL)),
+                     Mask + b.to(gl.int64) * MB, MH, MQ, MK, Seed, Rows, b, h, keep_threshold,
+                     drop_scale, R, 1, num_warps, BLOCK_M, HEAD_D, STAGES,
+                     GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL, MASK_KIND, DROPOUT, ROWS)),
         (_load_partition, (Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
                            kv_bar, q_ready, q_empty, do_ready, do_empty, b, g, h, off, seg,
                            set_len, pos_set, key_first, t0, n_q, n_heads, QA, QB, QC, QD, KA, KB,

@@ -10,7 +10,9 @@ kernels merge their branches the same way (float32 Acc and Lse), so one call may
 
 It runs on compute capability 9.x with Triton 3.6 (Gluon's API changes between releases: other
 versions run the Triton kernels, with the reason logged), for float16 and bfloat16, head dims 64
-and 128 (v's the same), causal or not, no mask, no dropout, a scale >= 0 (> 0 when causal),
+and 128 (v's the same), causal or not, a user's mask (boolean or additive, any strides whose
+offsets within a head fit int32) or not, dropout or not (not at D = 64: DROPOUT_AT_64), a
+scale >= 0 (> 0 when causal),
 w / r a multiple of 128, and q, k, v each contiguous or a [B, N, H, D] tensor transposed. Whole
 sets (N % w == 0, no padding row: plan.complete) reached by strides (the identity order, or
 r == 1 in any order) are read by TMA, and so are the Hilbert order's sets made of runs of stride
@@ -258,9 +260,21 @@ def kernel_choices() -> list[str]:
 
 
 def unsupported(q, k, v, plan, *, is_causal: bool, mask_kind: int, dropout: bool,
-                scale: float) -> str | None:
-    """None when the Hopper kernel can run this branch, else why not."""
-    return _note(_unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale), plan)
+                scale: float, mask_strides=(0, 0, 0, 0)) -> str | None:
+    """None when the Hopper kernel can run this branch, else why not (mask_strides: those of
+    the mask broadcast to [B, H, N, N])."""
+    reason = _unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale, mask_strides)
+    if reason is None and dropout and q.shape[-1] == 64:
+        reason = DROPOUT_AT_64
+    return _note(reason, plan)
+
+
+# With dropout the forward's keep bits (an integer hash an entry) outweigh its products at
+# D = 64, and there the Triton forward ran at the floor's speed where the Hopper one did not
+# (H200, 16 heads, p = 0.1: 1.47 against 1.89 ms at 16K in the Hilbert order, 1.75 against
+# 2.33 ms at 32K causal; at D = 128 the Hopper one is faster, 1.97 against 2.20 and 2.53
+# against 2.68 ms; BENCHMARKS.md). The backward runs the Hopper kernel at either.
+DROPOUT_AT_64 = "dropout at head dim 64 (the Triton forward hashes the keep bits faster there)"
 
 
 _capabilities: dict = {}
@@ -274,7 +288,8 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return hit
 
 
-def _unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale) -> str | None:
+def _unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale,
+                 mask_strides=(0, 0, 0, 0)) -> str | None:
     if not tuning().gluon:
         return "HILBERT_FX_GLUON=0"
     if q.device.type != "cuda" or _capability(q.device)[0] != 9:
@@ -284,8 +299,8 @@ def _unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale) -> str | N
     d = q.shape[-1]
     if d not in _TILES or k.shape[-1] != d or v.shape[-1] != d:
         return f"head dims {d}/{v.shape[-1]} (runs 64 and 128, v's equal to q's)"
-    if mask_kind or dropout:
-        return "a mask or dropout"
+    if mask_kind and (q.shape[2] - 1) * max(abs(x) for x in mask_strides[2:]) >= 2**31:
+        return "the mask's offsets within a head reach 2**31 (int32 in the kernels)"
     if scale < 0 or (is_causal and scale == 0):
         return "negative scale (or zero, causal)"
     reason = _sets_unsupported(q, k, v, plan)
@@ -317,29 +332,51 @@ def _sets_unsupported(q, k, v, plan) -> str | None:
 
 
 def launch(q, k, v, out, acc, lse, plan, positions, *, is_causal: bool, scale: float, first: bool,
-           last: bool) -> None:
+           last: bool, mask=None, seed=None, dropout_rows=None, keep_threshold: int = 0,
+           drop_scale: float = 1.0) -> None:
     """One branch into (out, acc, lse) as lowering/triton_kernels.py's _fwd_kernel would; out
     [B, H, N, D] with unit column stride, acc contiguous [B, H, N, D], lse contiguous [B, H, N].
     Strided sets are read by TMA, others through `positions` (int32 [r, segments, >= w / r],
-    lowering/triton_plans.plan_tensors)."""
+    lowering/triton_plans.plan_tensors). mask: boolean (as uint8) or float, [B, H, N, N] by
+    strides; seed (int64, 0-dim): dropout, with keep_threshold and drop_scale
+    (lowering/dropout.py), hashing dropout_rows[p] for row p if given."""
+    if mask is not None and mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    user = user_arguments(lse, mask, seed, dropout_rows, keep_threshold, drop_scale)
     kernel, grid, args, kwargs = prepare(q, k, v, plan, positions, is_causal=is_causal,
                                          scale=scale, first=first, last=last,
                                          refs=(q, k, v, out, acc, lse),
-                                         out_strides=out.stride()[:3])
+                                         out_strides=out.stride()[:3], user=user)
     kernel[grid](*[a.make(a.source) if isinstance(a, Descriptor) else a for a in args], **kwargs)
+
+
+def user_arguments(unused, mask, seed, dropout_rows, keep_threshold: int, drop_scale: float,
+                   refs=None) -> tuple:
+    """((mask, MB, MH, MQ, MK, seed, rows, keep_threshold, drop_scale), constexprs) of a call
+    with a user's mask (boolean as uint8, or float) and / or dropout, as the Hopper kernels
+    take them; refs stand for (mask, seed, dropout_rows) in the arguments (a lowering's slots),
+    else the tensors. `unused` (a tensor or slot of the launch's own) stands for what is not
+    given, never read."""
+    mask_ref, seed_ref, rows_ref = refs or (mask, seed, dropout_rows)
+    kind = 0 if mask is None else (1 if mask.dtype == torch.uint8 else 2)
+    strides = (0, 0, 0, 0) if mask is None else mask.stride()
+    args = (mask_ref if kind else unused, *strides, seed_ref if seed is not None else unused,
+            rows_ref if dropout_rows is not None else unused, keep_threshold, drop_scale)
+    return args, dict(MASK_KIND=kind, DROPOUT=seed is not None, ROWS=dropout_rows is not None)
 
 
 GENUINE_LAUNCH = launch  # lowering/triton_lowering.py calls `launch` itself when tests replace it
 
 
 def prepare(q, k, v, plan, positions, *, is_causal: bool, scale: float, first: bool, last: bool,
-            refs, plan_refs=None, out_strides=None) -> tuple:
+            refs, plan_refs=None, out_strides=None, user=None) -> tuple:
     """(kernel, grid, positional arguments, keyword arguments) of `launch`, where refs stand for
     (q, k, v, out, acc, lse) in the arguments (the tensors themselves, or a lowering's stand-ins
     for a call's tensors) and a TMA descriptor is a `Descriptor` of its tensor's stand-in. q, k,
     v give shapes, strides and dtype only; so do positions and the plan's counts where plan_refs
     (positions, counts) stand for them in the arguments (a program's slots of a per-call plan).
-    out_strides: out's batch, head and row strides (None: contiguous)."""
+    out_strides: out's batch, head and row strides (None: contiguous). user: a mask's and
+    dropout's arguments (`user_arguments`; None: neither)."""
     kern = _load()
     q_ref, k_ref, v_ref, out, acc, lse = refs
     b, hq, n, d = q.shape
@@ -365,6 +402,8 @@ def prepare(q, k, v, plan, positions, *, is_causal: bool, scale: float, first: b
     args = [*tensors, out, acc, lse, pos_arg, scale * LOG2E, hq, n, hq // k.shape[1], r, w,
             positions.stride(0), positions.stride(1), cnt_arg, counts.stride(0), counts.stride(1),
             *coords, *out_strides]
+    user_args, user_kinds = user or user_arguments(lse, None, None, None, 0, 1.0)
+    args += user_args
     kwargs = dict(FIRST=first, LAST=last, CAUSAL=bool(is_causal), HEAD_D=d, PARTIAL=partial,
-                  CHUNK=chunk_sets(grid, is_causal), **tiles, **regs)
+                  CHUNK=chunk_sets(grid, is_causal), **tiles, **regs, **user_kinds)
     return kern._fwd_kernel, grid, args, kwargs

@@ -30,9 +30,13 @@ The producer reaches the rows where they lie, with no copy of q, k, v:
 The end of a program merges its rows into the result of the branches launched before, exactly
 as lowering/triton_kernels.py's _fwd_kernel does: by log-sum-exp in float32 through
 (Acc [B, H, N, D] float32, Lse [B, H, N]) unless FIRST; a LAST branch writes Out in q's dtype.
-The scale is not negative; the only mask is the causal diagonal, on one key tile per program,
-and, for the partial sets of packed rows (PARTIAL: sets of Cnt members, reached through the
-plan's positions), the members past a set's count on its last key tile.
+The scale is not negative; the structural masks are the causal diagonal, on one key tile per
+program, and, for the partial sets of packed rows (PARTIAL: sets of Cnt members, reached
+through the plan's positions), the members past a set's count on its last key tile. A user's
+mask (MASK_KIND: boolean or additive, read per tile at the members' positions while the
+product runs) and dropout (DROPOUT: lowering/dropout.py's hash of each entry's positions, as
+the Triton kernels draw it) take the softmax's other path, whose scores are scaled first and
+whose rows may have no key at all (_softmax_step_any; such a row's lse is -inf, its output 0).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -219,20 +223,98 @@ def _past_count(s, key_first, count, BLOCK_N: gl.constexpr, layout: gl.constexpr
 
 
 @gluon.jit
-def _merge_rows(acc, m_i, l_i, old, Out, Acc, Lse, rows, out_rows, valid,
+def _softmax_step_any(s, m_i, l_i):
+    """Online softmax in base 2 over scores s already scaled, any of them -inf (a user's mask),
+    whole rows even: such a row keeps m = -inf and l = 0 (exp2 against 0, not -inf - -inf)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _mix32(x):
+    """The 'lowbias32' integer finaliser on uint32 (lowering/dropout.py's _mix32)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@gluon.jit
+def _head_hash(Seed, b, h):
+    """The part of dropout's keep hash fixed by (seed, batch, head): lowering/dropout.keep_mask."""
+    seed = gl.load(Seed).to(gl.uint32)
+    return _mix32(seed ^ _mix32(((b << 16) + h).to(gl.uint32)))
+
+
+@gluon.jit
+def _hashed(Rows, pos, ROWS: gl.constexpr):
+    """The positions dropout hashes for rows `pos`: Rows[pos] (dropout_rows, a ring shard's
+    global positions) under ROWS, else the rows themselves, as uint32."""
+    if ROWS:
+        hashed = gl.load(Rows + pos).to(gl.uint32)
+    else:
+        hashed = pos.to(gl.uint32)
+    return hashed
+
+
+@gluon.jit
+def _keep(qhash, khash, threshold):
+    """Dropout's keep bits of entries (query, key): the query's hash and the key's hashed
+    position, shaped to broadcast (lowering/dropout.keep_mask)."""
+    return (_mix32(qhash ^ khash) >> 8) >= threshold.to(gl.uint32)  # unsigned: no widening
+
+
+@gluon.jit
+def _user_mask(s, ptrs, MASK_KIND: gl.constexpr):
+    """The user's mask on base-2 scores s at `ptrs` (its entries, in s's layout): boolean
+    (MASK_KIND 1, nonzero = allowed) or additive float (2, in natural-log units)."""
+    if MASK_KIND == 1:
+        s = gl.where(gl.load(ptrs) != 0, s, float("-inf"))
+    else:
+        s = s + gl.load(ptrs).to(gl.float32) * 1.4426950408889634
+    return s
+
+
+@gluon.jit
+def _key_positions(Pos, pos_set, set_first, members, R, GATHER: gl.constexpr):
+    """Positions of set members `members`: Pos[pos_set + m] (GATHER) or set_first + m * R."""
+    if GATHER:
+        pos = gl.load(Pos + pos_set + members)
+    else:
+        pos = set_first + members * R
+    return pos
+
+
+@gluon.jit
+def _merge_rows(acc, m_i, l_i, old, Out, Acc, Lse, rows, out_rows, valid, drop_scale,
                 HEAD_D: gl.constexpr, NW: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
-                PARTIAL: gl.constexpr):
+                PARTIAL: gl.constexpr, EMPTY: gl.constexpr, DROPOUT: gl.constexpr):
     """This branch's rows (o = acc / l, lse) merged into the branches' before: `rows` (int64, of
     the flat [B * H * N] row index of Acc and Lse), `out_rows` (int64, where each row starts in
     Out); PARTIAL: those where `valid` holds (members of a partial set past its count are no
-    rows). Loads and stores stay in wgmma's layout (each thread's pairs of columns fill whole
-    32-byte sectors)."""
+    rows). EMPTY: a user's mask may leave a row no key (l = 0): its o is 0 and its lse -inf, as
+    no branch had selected it. DROPOUT: o scaled by drop_scale (acc summed kept entries only).
+    Loads and stores stay in wgmma's layout (each thread's pairs of columns fill whole 32-byte
+    sectors)."""
     layout: gl.constexpr = _mma_layout(NW, HEAD_D)
     rows_l: gl.constexpr = gl.SliceLayout(1, layout)
     cols_l: gl.constexpr = gl.SliceLayout(0, layout)
     l_r = gl.convert_layout(l_i, rows_l)
-    lse = (gl.convert_layout(m_i, rows_l) + gl.log2(l_r)) * 0.6931471805599453
-    o = acc * gl.expand_dims(1.0 / l_r, 1)
+    if EMPTY:
+        none = l_r == 0.0
+        l_r = gl.where(none, 1.0, l_r)
+        lse = gl.where(none, float("-inf"),
+                       (gl.convert_layout(m_i, rows_l) + gl.log2(l_r)) * 0.6931471805599453)
+    else:
+        lse = (gl.convert_layout(m_i, rows_l) + gl.log2(l_r)) * 0.6931471805599453
+    if DROPOUT:
+        o = acc * gl.expand_dims(drop_scale / l_r, 1)
+    else:
+        o = acc * gl.expand_dims(1.0 / l_r, 1)
     cols = gl.expand_dims(gl.arange(0, HEAD_D, layout=cols_l), 0)
     offs = gl.expand_dims(rows * HEAD_D, 1) + cols
     if PARTIAL:
@@ -240,14 +322,22 @@ def _merge_rows(acc, m_i, l_i, old, Out, Acc, Lse, rows, out_rows, valid,
     else:
         live = offs >= 0
     if not FIRST:  # old: Lse at rows, -inf where no branch before selected the row
-        top = gl.maximum(old, lse)  # finite: lse is
+        top = gl.maximum(old, lse)  # finite: lse is (unless EMPTY)
+        if EMPTY:
+            top = gl.where(top == float("-inf"), 0.0, top)
         w_old = gl.exp(old - top)
         w_new = gl.exp(lse - top)
         total = w_old + w_new
+        if EMPTY:  # neither this branch nor one before has a key of the row
+            none = total == 0.0
+            total = gl.where(none, 1.0, total)
         seen = gl.expand_dims(old > float("-inf"), 1) & live
         prev = gl.load(Acc + offs, mask=seen, other=0.0)
         o = prev * gl.expand_dims(w_old / total, 1) + o * gl.expand_dims(w_new / total, 1)
-        lse = top + gl.log(total)
+        if EMPTY:
+            lse = gl.where(none, float("-inf"), top + gl.log(total))
+        else:
+            lse = top + gl.log(total)
     if LAST:
         out_offs = gl.expand_dims(out_rows, 1) + cols
     if PARTIAL:
@@ -267,16 +357,24 @@ def _merge_rows(acc, m_i, l_i, old, Out, Acc, Lse, rows, out_rows, valid,
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc, Lse,
               Pos, qk_scale, first_row, out_first, ON, R, pos_q, q_first, n_tiles, count,
+              Mask, MQ, MK, Rows, head_hash, keep_threshold, drop_scale, set_first,
               CID: gl.constexpr, NW: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_D: gl.constexpr, STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
               GATHER: gl.constexpr, CAUSAL: gl.constexpr, CP_ASYNC: gl.constexpr,
-              PARTIAL: gl.constexpr):
+              PARTIAL: gl.constexpr, MASK_KIND: gl.constexpr, DROPOUT: gl.constexpr,
+              ROWS: gl.constexpr):
     """Rows CID * BLOCK_M ... of the CTA's query tile (members q_first + ...), over the key tiles
     [0, n_tiles) of the set; under CAUSAL the last of them holds the diagonal. GATHER: rows are
     found through Pos. CP_ASYNC: the rings were written by cp.async (the generic proxy), which
     wgmma reads only after a proxy fence. PARTIAL: the set has `count` members (a packed row's
     set); members past it are neither keys (masked on the last tile; under CAUSAL the diagonal
-    already excludes them for every member's query) nor rows to write."""
+    already excludes them for every member's query) nor rows to write.
+    MASK_KIND (1 boolean, 2 additive): the user's mask, entry (p, p') at Mask + p * MQ + p' * MK
+    (Mask at the program's batch and head; p' * MK in int32, gluon_forward checks it fits).
+    DROPOUT: the entries whose keep bits (head_hash, Rows: _hashed) say so leave the product
+    with v, not the softmax's sum, and o is scaled by drop_scale. Either way the scores are
+    scaled before the softmax (the mask is added in base 2, rows may have no key). Member m of
+    a strided set is position set_first + m * R."""
     query_first = q_first + CID * BLOCK_M
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = _mma_layout(NW, BLOCK_N)
@@ -308,6 +406,19 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
             old_lse = gl.load(Lse + first_row + members.to(gl.int64) * R)
     else:
         old_lse = 0
+    # a user's mask or dropout: the positions of the rows (of s's layout) and of each key tile
+    USER: gl.constexpr = MASK_KIND != 0 or DROPOUT
+    if USER:
+        s_rows = query_first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        s_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if GATHER:
+            s_qpos = gl.load(Pos + (pos_q - q_first) + s_rows)
+        else:
+            s_qpos = set_first + s_rows * R
+        if MASK_KIND != 0:
+            m_rows = gl.expand_dims(Mask + s_qpos.to(gl.int64) * MQ, 1)
+        if DROPOUT:
+            qhash = gl.expand_dims(_mix32(head_hash ^ _hashed(Rows, s_qpos, ROWS)), 1)
     mbarrier.wait(q_bar, 0)
 
     mbarrier.wait(k_ready.index(0), 0)
@@ -315,15 +426,29 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         fence_async_shared()
     s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
+    if USER:
+        kpos = _key_positions(Pos, pos_q - q_first, set_first, s_cols, R, GATHER)
+        if MASK_KIND != 0:  # loaded while the product runs
+            m_ptrs = m_rows + gl.expand_dims(kpos * MK, 0)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(0), count=1)
+    if USER:
+        s = s * qk_scale
+        if MASK_KIND != 0:
+            s = _user_mask(s, m_ptrs, MASK_KIND)
     if CAUSAL:
         if n_tiles == 1:
             s = _on_diagonal(s, 0, query_first, BLOCK_M, BLOCK_N, s_layout)
     elif PARTIAL:
         if n_tiles == 1:
             s = _past_count(s, 0, count, BLOCK_N, s_layout)
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+    if USER:
+        p, alpha, m_i, l_i = _softmax_step_any(s, m_i, l_i)
+        if DROPOUT:
+            p = gl.where(_keep(qhash, gl.expand_dims(_hashed(Rows, kpos, ROWS), 0),
+                               keep_threshold), p, 0.0)
+    else:
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
     for t in range(1, n_tiles):  # S(t) and P(t-1) v(t-1) in flight; then the softmax of t
         slot = t % STAGES
@@ -335,15 +460,30 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         s_tok = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         acc_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+        if USER:
+            kpos = _key_positions(Pos, pos_q - q_first, set_first, t * BLOCK_N + s_cols, R,
+                                  GATHER)
+            if MASK_KIND != 0:
+                m_ptrs = m_rows + gl.expand_dims(kpos * MK, 0)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
+        if USER:
+            s = s * qk_scale
+            if MASK_KIND != 0:
+                s = _user_mask(s, m_ptrs, MASK_KIND)
         if CAUSAL:
             if t == n_tiles - 1:
                 s = _on_diagonal(s, t * BLOCK_N, query_first, BLOCK_M, BLOCK_N, s_layout)
         elif PARTIAL:
             if t == n_tiles - 1:
                 s = _past_count(s, t * BLOCK_N, count, BLOCK_N, s_layout)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+        if USER:
+            p, alpha, m_i, l_i = _softmax_step_any(s, m_i, l_i)
+            if DROPOUT:
+                p = gl.where(_keep(qhash, gl.expand_dims(_hashed(Rows, kpos, ROWS), 0),
+                                   keep_threshold), p, 0.0)
+        else:
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         acc, p16_used = warpgroup_mma_wait(0, deps=(acc_tok, p16))  # p16 stays live until read
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -361,12 +501,12 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     else:
         rows = first_row + members.to(gl.int64) * R
         out_rows = out_first + members.to(gl.int64) * (R * ON)
-    _merge_rows(acc, m_i, l_i, old_lse, Out, Acc, Lse, rows, out_rows, valid, HEAD_D, NW, FIRST,
-                LAST, PARTIAL)
+    _merge_rows(acc, m_i, l_i, old_lse, Out, Acc, Lse, rows, out_rows, valid, drop_scale, HEAD_D,
+                NW, FIRST, LAST, PARTIAL, MASK_KIND != 0, DROPOUT)
 
 
 @gluon.jit
-def _scheduled(CAUSAL: gl.constexpr, CHUNK: gl.constexpr):
+def _scheduled(CAUSAL: gl.constexpr, CHUNK: gl.constexpr, THIRD_FIRST: gl.constexpr = False):
     """(rank, segment, program of the third grid dimension) of this CTA: its program ids, or,
     under causal masks, whose tiles differ in work (the longest tile of a set has 16 times the
     shortest's at sets of 2048), this order: the grid (tiles, segments, third) is read as
@@ -375,8 +515,20 @@ def _scheduled(CAUSAL: gl.constexpr, CHUNK: gl.constexpr):
     (each set's longest tile, the caller's choice which) run first, then rank 1, ..., so the
     last wave of a launch holds its shortest tiles rather than some of its longest
     (longest-first scheduling, as FlashAttention-3's causal scheduler). A chunk's sets run
-    together and share their rows in L2, as a set's tiles did in grid order."""
-    if CAUSAL:
+    together and share their rows in L2, as a set's tiles did in grid order.
+    THIRD_FIRST (a user's mask, which heads and batches may share): the third dimension runs
+    fastest, then the rank, then the segment, so that the programs reading one set's entries
+    of the mask (every head's; with r > 1 every offset's, interleaved in the same rows) run
+    together and meet them in L2, rather than once per head from memory."""
+    if THIRD_FIRST:
+        thirds = gl.num_programs(2)
+        tiles = gl.num_programs(0)
+        linear = gl.program_id(0) + tiles * (gl.program_id(1) + gl.num_programs(1)
+                                             * gl.program_id(2))
+        third = linear % thirds
+        rank = (linear // thirds) % tiles
+        seg = linear // (thirds * tiles)
+    elif CAUSAL:
         tiles = gl.num_programs(0)
         segments = gl.num_programs(1)
         linear = gl.program_id(0) + tiles * (gl.program_id(1) + segments * gl.program_id(2))
@@ -397,12 +549,14 @@ def _scheduled(CAUSAL: gl.constexpr, CHUNK: gl.constexpr):
 def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
                 H, N, GROUP, R: gl.constexpr, W, stride_po, stride_ps, Cnt, stride_co, stride_cs,
                 QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, OB, OH, ON,
+                Mask, MB, MH, MQ, MK, Seed, Rows, keep_threshold, drop_scale,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                 STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
                 GATHER: gl.constexpr, CAUSAL: gl.constexpr, RUN: gl.constexpr,
                 PARTIAL: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                CHUNK: gl.constexpr, num_warps: gl.constexpr):
+                CHUNK: gl.constexpr, num_warps: gl.constexpr, MASK_KIND: gl.constexpr = 0,
+                DROPOUT: gl.constexpr = False, ROWS: gl.constexpr = False):
     """Grid (set length / (2 * BLOCK_M), segments, B * H): the query tile runs fastest, so the
     CTAs of one set run together and share its keys and values in L2. Under CAUSAL the query
     tiles run last to first (the longest first), the sets in chunks of CHUNK (`_scheduled`), and
@@ -415,8 +569,12 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     PARTIAL (GATHER, RUN == 0): set j of offset o has Cnt[o, j] members (a packed row's plan);
     CTAs past it end at once, the others stop at its last key tile. Out's element (b, h, n, 0)
     is at b * OB + h * OH + n * ON (the op's output is [B, N, H, D] in memory, as
-    FlashAttention's, so that a model's output projection reads it without a copy)."""
-    tile, seg, bh = _scheduled(CAUSAL, CHUNK)
+    FlashAttention's, so that a model's output projection reads it without a copy).
+
+    MASK_KIND (1 boolean, 2 additive float): the user's mask broadcast to [B, H, N, N] by
+    strides (MB, MH, MQ, MK); DROPOUT: keep bits hashed from (Seed, b, h, positions, Rows under
+    ROWS), kept entries scaled by drop_scale (lowering/triton_kernels.py's conventions)."""
+    tile, seg, bh = _scheduled(CAUSAL, CHUNK, MASK_KIND != 0)
     if CAUSAL:  # rank 0 is the last query tile, the longest
         tile = gl.num_programs(0) - 1 - tile
     b = bh // H
@@ -435,6 +593,11 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
         n_tiles = set_len // BLOCK_N
     if CAUSAL:  # key tiles up to the one holding the CTA's last query
         n_tiles = gl.minimum(n_tiles, (q_first + CONSUMERS * BLOCK_M + BLOCK_N - 1) // BLOCK_N)
+    mask_head = Mask + b.to(gl.int64) * MB + h.to(gl.int64) * MH
+    if DROPOUT:
+        head_hash = _head_hash(Seed, b, h)
+    else:
+        head_hash = 0
     # the producer copies by cp.async (Qx a tensor; each of its threads arrives) or by TMA
     CP_ASYNC: gl.constexpr = GATHER and RUN == 0
     dtype: gl.constexpr = Qx.dtype.element_ty if CP_ASYNC else Qx.dtype
@@ -474,12 +637,16 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc,
                      Lse, Pos, qk_scale, first_row, out_first, ON, R, pos_set + q_first, q_first,
-                     n_tiles, count, 0, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST,
-                     LAST, GATHER, CAUSAL, CP_ASYNC, PARTIAL)),
+                     n_tiles, count, mask_head, MQ, MK, Rows, head_hash, keep_threshold,
+                     drop_scale, seg * W + off, 0, num_warps, BLOCK_M, BLOCK_N, HEAD_D,
+                     STAGES, FIRST, LAST, GATHER, CAUSAL, CP_ASYNC, PARTIAL, MASK_KIND, DROPOUT,
+                     ROWS)),
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc,
                      Lse, Pos, qk_scale, first_row, out_first, ON, R, pos_set + q_first, q_first,
-                     n_tiles, count, 1, num_warps, BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST,
-                     LAST, GATHER, CAUSAL, CP_ASYNC, PARTIAL)),
+                     n_tiles, count, mask_head, MQ, MK, Rows, head_hash, keep_threshold,
+                     drop_scale, seg * W + off, 1, num_warps, BLOCK_M, BLOCK_N, HEAD_D,
+                     STAGES, FIRST, LAST, GATHER, CAUSAL, CP_ASYNC, PARTIAL, MASK_KIND, DROPOUT,
+                     ROWS)),
         (_load_partition, (Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
                            v_ready, v_empty, b, h, hk, off, seg, set_len, R, pos_set, q_first,
                            n_tiles, QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, BLOCK_M,

@@ -242,7 +242,8 @@ class Emulated:
 
     def __call__(self, bufs: list, stream) -> None:
         getattr(self.module, self.name)(
-            *[bufs[a.index] if type(a) is Slot else a for a in self.args], **self.kwargs)
+            *[bufs[a.index] if type(a) is Slot else a for a in self.args],
+            **{k: bufs[a.index] if type(a) is Slot else a for k, a in self.kwargs.items()})
 
 
 _runtime_knobs = None

@@ -51,8 +51,8 @@ hold several short segments as groups (plan.groups) run the kernels' GROUPED var
 masks each row to its group.
 
 On Hopper (compute capability 9.x, Triton 3.6) a branch runs instead on FlashAttention-3's
-warp-specialised schedules written in Gluon (lowering/gluon_forward.py says when: no mask, no
-dropout, whole sets of a complete plan, head dims 64 and 128, 16-bit types): the forward
+warp-specialised schedules written in Gluon (lowering/gluon_forward.py says when: head dims 64
+and 128, 16-bit types, sets of multiples of 128 members, masks and dropout too): the forward
 (lowering/gluon_kernels.py) merges into the same (acc, lse); the backward
 (lowering/gluon_backward_kernels.py) adds dq into a zeroed float32 buffer by atomics (not under
 deterministic algorithms; the Triton dq kernel of a branch beside it then adds to that buffer
@@ -564,17 +564,30 @@ def _gluon_step(module, call: Call, plan: BranchPlan, br: Branch, refs: tuple, d
     # the forward's out strides, the backward's dk, dv strides: `launch` reads them off tensors
     layouts = {name: kw.pop(name) for name in ("out_strides", "final_strides") if name in kw}
     if module.launch is not module.GENUINE_LAUNCH:
-        return Emulated(module, "launch", [*refs, br.plan_slot or plan, br.pos], kw)
+        user = {}  # the call's mask and dropout, as `launch` takes them (slots filled per call)
+        if call.mask_kind:
+            user["mask"] = MASK
+        if call.dropout:
+            user.update(seed=SEED, keep_threshold=call.threshold, drop_scale=call.drop_scale)
+        if call.hashes_rows:
+            user["dropout_rows"] = DROPOUT_ROWS
+        return Emulated(module, "launch", [*refs, br.plan_slot or plan, br.pos], {**kw, **user})
     positions = _plan_tensors(plan, call.q.device)[0]  # for its strides (br.pos may be a Slot)
     plan_refs = (br.pos, br.cnt)
+    # a launch's own float32 buffer (lse, lse2) stands for the mask, seed, rows it is not given
+    user = gluon_forward.user_arguments(
+        refs[5] if module is gluon_forward else refs[10],
+        call.mask if call.mask_kind else None, call.seed if call.dropout else None,
+        call.dropout_rows if call.hashes_rows else None, call.threshold, call.drop_scale,
+        refs=(MASK, SEED, DROPOUT_ROWS))
     if module is gluon_forward:
         kernel, grid, args, kwargs = module.prepare(call.q, call.k, call.v, plan, positions,
-                                                    refs=refs, plan_refs=plan_refs, **layouts,
-                                                    **kw)
+                                                    refs=refs, plan_refs=plan_refs, user=user,
+                                                    **layouts, **kw)
     else:
         kernel, grid, args, kwargs = module.prepare(call.q, call.k, call.v, dout, plan,
                                                     positions, refs=refs, plan_refs=plan_refs,
-                                                    **layouts, **kw)
+                                                    user=user, **layouts, **kw)
     return Launch(kernel, args, kwargs, grid)
 
 
@@ -605,7 +618,8 @@ class _Forward:
             br = call.branch(plan, inputs)
             if gluon_forward.unsupported(call.q, call.k, call.v, plan, is_causal=call.is_causal,
                                          mask_kind=call.mask_kind, dropout=call.dropout,
-                                         scale=call.scale) is None:
+                                         scale=call.scale,
+                                         mask_strides=call.mask_strides) is None:
                 self.steps.append(_gluon_step(gluon_forward, call, plan, br,
                                               (Q, K, V, OUT, ACC, LSE), first=first, last=last,
                                               out_strides=out_strides))
@@ -703,7 +717,8 @@ class _Backward:
         covers = final > 0
         hopper = [gluon_backward.unsupported(q, k, v, plan, is_causal=call.is_causal,
                                              mask_kind=call.mask_kind, dropout=call.dropout,
-                                             scale=call.scale, deterministic=det) is None
+                                             scale=call.scale, deterministic=det,
+                                             mask_strides=call.mask_strides) is None
                   for plan in order]
         # dq in a zeroed float32 buffer that the Hopper kernel (and the Triton dK/dV kernel when
         # `atomic`) adds to by atomics, and the Triton dq kernel reads wherever it writes

@@ -20,15 +20,29 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_op_exact import (TRITON_ORDERS, _PoisonedTorch, assert_matches,  # noqa: E402
                            common_scale, require_lowering, run_both)
 
-from hilbert_fx.lowering import gluon_backward, gluon_forward, tuning  # noqa: E402
+from reference import reference_dilated_attention  # noqa: E402
+
+from hilbert_fx.lowering import dropout, gluon_backward, gluon_forward, tuning  # noqa: E402
 from hilbert_fx.lowering.plans import branch_plan  # noqa: E402
 
 LOG2E = 1.4426950408889634
 
 
+def keep_bits(seed, b, h, rows, cols, threshold):
+    """Dropout's keep bits of entries (rows x cols) of batch b, head h: lowering/dropout.py's
+    hash, with the threshold the kernels take."""
+    mix, m32 = dropout._mix32, 0xFFFFFFFF
+    x = mix((seed.long() & m32) ^ mix(torch.tensor((b << 16) + h) & m32))
+    x = mix(x ^ rows.long()[:, None])
+    x = mix(x ^ cols.long()[None, :])
+    return (x >> 8) >= threshold
+
+
 def emulated_launch(q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2, delta, plan,
-                    positions, *, is_causal, scale, first, last):
-    """What lowering/gluon_backward_kernels.py's _bwd_kernel leaves behind, in torch."""
+                    positions, *, is_causal, scale, first, last, mask=None, seed=None,
+                    dropout_rows=None, keep_threshold=0, drop_scale=1.0):
+    """What lowering/gluon_backward_kernels.py's _bwd_kernel leaves behind, in torch (mask:
+    [B, H, N, N], uint8 for a boolean one; seed: dropout's, with its threshold and scale)."""
     b, hq, n, d = q.shape
     hkv = k.shape[1]
     group, r = hq // hkv, plan.dilation_rate
@@ -40,13 +54,26 @@ def emulated_launch(q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2, d
             p = plan.positions[o, j, :plan.counts[o, j]]
             qs, ks, vs, dos = q[:, h, p].float(), k[:, g, p].float(), v[:, g, p].float(), \
                 dout[:, h, p].float()
-            prob = torch.exp2(qs @ ks.transpose(-1, -2) * (scale * LOG2E) - lse2[:, h, p, None])
+            s = qs @ ks.transpose(-1, -2) * (scale * LOG2E)
+            if mask is not None and mask.dtype == torch.uint8:
+                s = s.masked_fill(mask[:, h][:, p][:, :, p] == 0, float("-inf"))
+            elif mask is not None:
+                s = s + mask[:, h][:, p][:, :, p].float() * LOG2E
+            prob = torch.exp2(s - lse2[:, h, p, None])
             if is_causal:
                 prob = prob.tril()  # members in ascending position order
-            ds = prob * (dos @ vs.transpose(-1, -2) - delta[:, h, p, None])
+            dp = dos @ vs.transpose(-1, -2)
+            kept = prob
+            if seed is not None:
+                hashed = p if dropout_rows is None else dropout_rows[p]
+                keep = torch.stack([keep_bits(seed, bi, h, hashed, hashed, keep_threshold)
+                                    for bi in range(b)])
+                kept = torch.where(keep, prob * drop_scale, 0.0)
+                dp = torch.where(keep, dp * drop_scale, 0.0)
+            ds = prob * (dp - delta[:, h, p, None])
             dq[:, h, p] += scale * ds @ ks
             grads[0][:, g, p] += scale * ds.transpose(-1, -2) @ qs
-            grads[1][:, g, p] += prob.transpose(-1, -2) @ dos
+            grads[1][:, g, p] += kept.transpose(-1, -2) @ dos
             written[g, p] = True
     for grad, buf, final in zip(grads, (dk, dv), (dk_final, dv_final)):
         rows = written.expand(b, hkv, n)
@@ -65,10 +92,10 @@ def test_backward_mixes_hopper_and_triton_branches(cfg, hopper_rates, monkeypatc
     require_lowering("triton")
     from hilbert_fx.lowering import triton_lowering
 
-    def unsupported(q, k, v, plan, *, mask_kind, dropout, **kw):
+    def unsupported(q, k, v, plan, **kw):
         r = plan.dilation_rate
         picked = {"all": True, "r == 1": r == 1, "r > 1": r > 1}[hopper_rates]
-        return None if picked and not mask_kind and not dropout else "test: Triton kernels"
+        return None if picked else "test: Triton kernels"
 
     monkeypatch.setattr(triton_lowering, "torch", _PoisonedTorch())
     monkeypatch.setattr(gluon_backward, "unsupported", unsupported)
@@ -79,6 +106,45 @@ def test_backward_mixes_hopper_and_triton_branches(cfg, hopper_rates, monkeypatc
     sc = common_scale(ref, *g_ref)
     for name, a, b in zip("qkv", g_out, g_ref):
         assert_matches(a, b, f"d{name}", scale=sc)
+
+
+@pytest.mark.parametrize("hopper_rates", ["all", "r == 1"])
+def test_backward_with_dropout_mixes_hopper_and_triton_branches(hopper_rates, monkeypatch):
+    """Dropout's gradients where the Hopper kernel (emulated) and the Triton kernels share a
+    call, against the float64 reference given the same keep bits (the op's seed drawn again)."""
+    require_lowering("triton")
+    from hilbert_fx.lowering import dilated_attention, triton_lowering
+
+    def unsupported(q, k, v, plan, **kw):
+        return None if hopper_rates == "all" or plan.dilation_rate == 1 else "test: Triton"
+
+    monkeypatch.setattr(gluon_backward, "unsupported", unsupported)
+    monkeypatch.setattr(gluon_backward, "launch", emulated_launch)
+    monkeypatch.setattr(triton_lowering, "torch", _PoisonedTorch())
+    b, h, n, d, p = 2, 4, 40, 8, 0.3
+    segs, rates = [16, 40], [1, 2]
+    q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
+    mask = torch.rand(b, 1, n, n) > 0.2
+    mask[0, 0, 7] = False  # a query with no key
+    torch.manual_seed(3)
+    out = dilated_attention(q, k, v, segs, rates, hilbert=True, attn_mask=mask, dropout_p=p,
+                            lowering="triton")
+    torch.manual_seed(3)
+    seed = dropout.new_seed(torch.device("cpu"))
+    ar = torch.arange(n)
+    keep = dropout.keep_mask(seed, torch.arange(b).view(b, 1, 1, 1),
+                             torch.arange(h).view(1, h, 1, 1), ar.view(1, 1, n, 1),
+                             ar.view(1, 1, 1, n), p)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference_dilated_attention(q64, k64, v64, segs, rates, hilbert=True, attn_mask=mask,
+                                      dropout_p=p, dropout_keep=keep)
+    g = torch.randn(out.shape, dtype=torch.float64)
+    g_out = torch.autograd.grad(out, (q, k, v), g.float())
+    g_ref = torch.autograd.grad(ref, (q64, k64, v64), g)
+    assert_matches(out, ref, "out")
+    sc = common_scale(ref, *g_ref)
+    for name, a, b_ in zip("qkv", g_out, g_ref):
+        assert_matches(a, b_, f"d{name}", scale=sc)
 
 
 def test_refused_on_cpu_and_under_deterministic_algorithms(monkeypatch):

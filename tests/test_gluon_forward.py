@@ -52,6 +52,42 @@ def test_not_used_on_cpu_or_when_turned_off(monkeypatch):
     assert why == "HILBERT_FX_GLUON=0"
 
 
+def test_masks_and_dropout_run_the_hopper_kernels(monkeypatch):
+    """A user's mask and dropout run the Hopper kernels (checked against the float64 reference
+    by scripts/gpu_check.py's "hopper ... mask" and "hopper dropout" cases), except dropout's
+    forward at D = 64, which the Triton kernel runs faster, and masks whose offsets within a
+    head reach 2**31 (the kernels' per-tile offsets are int32)."""
+    from hilbert_fx.lowering import gluon_backward
+    # as on an H100 with Triton 3.6, the sets' layout checks passed
+    monkeypatch.setattr(gluon_forward, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(gluon_forward, "_load", lambda: object())
+    monkeypatch.setattr(gluon_forward, "_sets_unsupported", lambda *a: None)
+    plan = branch_plan(4096, 1024, 2, True)
+
+    def reasons(d, mask_kind=0, dropout=False, mask_strides=(0, 0, 0, 0)):
+        q = _CudaStandIn((1, 2, 4096, d))
+        kw = dict(is_causal=False, mask_kind=mask_kind, dropout=dropout, scale=0.1,
+                  mask_strides=mask_strides)
+        return (gluon_forward.unsupported(q, q, q, plan, **kw),
+                gluon_backward.unsupported(q, q, q, plan, deterministic=False, **kw))
+
+    contiguous = (0, 0, 4096, 1)
+    for d in (64, 128):
+        assert reasons(d) == (None, None)
+        assert reasons(d, mask_kind=1, mask_strides=contiguous) == (None, None)
+        assert reasons(d, mask_kind=2, mask_strides=contiguous) == (None, None)
+    assert reasons(128, dropout=True) == (None, None)
+    assert reasons(64, dropout=True) == (gluon_forward.DROPOUT_AT_64, None)
+    forward, backward = reasons(128, mask_kind=2, mask_strides=(0, 0, 1, 2**20))
+    assert "2**31" in forward and "2**31" in backward
+
+
+class _CudaStandIn:
+    """What the eligibility checks read of a CUDA tensor: shape, dtype, device."""
+    def __init__(self, shape):
+        self.shape, self.dtype, self.device = shape, torch.bfloat16, torch.device("cuda", 0)
+
+
 def test_partial_sets_are_gathered():
     """Sets with fewer than w / r members (a partial last segment, packed documents, padding)
     run the Hopper kernels through the gather (each set's count read by the kernel), unless in
