@@ -15,6 +15,9 @@
 #   hilbert  N = 64K, forward and forward+backward, Hilbert order on, then off
 #   causal   N = 64K causal, the Hopper kernels on (HILBERT_FX_GLUON=1), then off (Triton kernels)
 #   d64      head dim 64, N = 64K, forward
+#   masks    N = 16K, forward and forward+backward, floor and triton: a boolean mask, an additive
+#            one, dropout 0.1 (D = 128), then a boolean mask and dropout at D = 64, and dropout at
+#            D = 64, causal, N = 32K, branches to (32768,16), identity order
 # ROUNDS=R times every method R times in turn and reports medians: under its power limit the GPU
 # lowers its clocks for stretches of time, so one timing per method meets whatever the moment has.
 # Each step writes under $OUT/<step>/ (bench.md, bench.csv, bench.png; check: gpu_check.txt).
@@ -50,7 +53,16 @@ for s in $STEPS; do
     causal) for g in 1 0; do
          echo "HILBERT_FX_GLUON=$g"; HILBERT_FX_GLUON=$g bench "$OUT/causal/gluon$g" 150 --causal --seq-lens 65536 --mode both --methods triton floor; done ;;
     d64) bench "$OUT/d64" 120 --head-dim 64 --seq-lens 65536 --mode fwd --methods floor triton ;;
-    *) echo "unknown step $s (check main scale hilbert causal d64)"; rc=1 ;;
+    masks) M="--seq-lens 16384 --mode both --methods floor triton"
+       bench "$OUT/masks/bool" 150 $M --mask bool
+       bench "$OUT/masks/float" 150 $M --mask float
+       bench "$OUT/masks/dropout" 150 $M --dropout 0.1
+       bench "$OUT/masks/bool64" 150 $M --mask bool --head-dim 64
+       bench "$OUT/masks/dropout64" 150 $M --dropout 0.1 --head-dim 64
+       bench "$OUT/masks/dropout64c" 150 --segment-lengths 2048 4096 8192 16384 32768 \
+         --dilation-rates 1 2 4 8 16 --seq-lens 32768 --causal --no-hilbert --head-dim 64 \
+         --dropout 0.1 --mode both --methods floor triton ;;
+    *) echo "unknown step $s (check main scale hilbert causal d64 masks)"; rc=1 ;;
   esac
 done
 exit $rc
