@@ -19,7 +19,8 @@ query tiles (BLOCK_M = 64 rows) for every query head of its kv head that selects
       dV_c += P^T dout,  dK_c += dS^T q            (wgmma, P^T and dS^T from registers)
   and each writes its dS^T into a shared [128, BLOCK_M] tile; once both have (an mbarrier),
   consumer c computes dq[:, half c] = dS K[:, half c] over all 128 keys and adds it, times the
-  scale, into a float32 dq by relaxed atomics (Triton 3.6's Gluon has no TMA reduce-add).
+  scale, into a float32 dq by relaxed atomics of four columns a thread (Triton 3.6's Gluon has
+  no TMA reduce-add).
   Five products per (key tile, query tile), as FlashAttention-3 and cuDNN do.
 
 The end of a program adds its dK, dV rows into what the branches launched before left, as
@@ -230,7 +231,12 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
     # lse2 and delta are loaded one value a thread and spread over the columns only when used:
     # held in the column layout across the products they spilled registers at D = 128.
     vec_l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-    dq_rows_l: gl.constexpr = gl.SliceLayout(1, dq_layout)
+    # dq is added four columns a thread (red.global.add.v4.f32), half the atomic instructions
+    # of wgmma's layout, whose threads hold column pairs: the atomics set the pace of the
+    # backward (twice as many made it 27% slower at D = 64), and this layout made it 5 to 8%
+    # faster at D = 64 and 2 to 5% at D = 128 (H200, BENCHMARKS.md)
+    red_l: gl.constexpr = gl.BlockedLayout([1, 4], [256 // HEAD_D, HEAD_D // 8], [NW, 1], [1, 0])
+    dq_rows_l: gl.constexpr = gl.SliceLayout(1, red_l)
     k_tile = k_smem.index(CID)
     v_tile = v_smem.index(CID)
     kd_tile = kd_smem.index(CID)
@@ -241,7 +247,7 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
     q_members = gl.arange(0, BLOCK_M, layout=vec_l)
     dq_members = gl.arange(0, BLOCK_M, layout=dq_rows_l)
     dq_cols = gl.expand_dims(CID * (HEAD_D // 2)
-                             + gl.arange(0, HEAD_D // 2, layout=gl.SliceLayout(0, dq_layout)), 0)
+                             + gl.arange(0, HEAD_D // 2, layout=gl.SliceLayout(0, red_l)), 0)
     if not GATHER:  # a tile's rows past its first: the same for every tile
         q_offs = q_members * R
         dq_offs = gl.expand_dims(dq_members * (R * HEAD_D), 1) + dq_cols
@@ -360,6 +366,7 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
             mbarrier.arrive(q_empty.index(slot), count=1)
             mbarrier.arrive(do_empty.index(slot), count=1)
             dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
+            dq = gl.convert_layout(dq, red_l)
             if GATHER:
                 dq_pos = gl.load(Pos + pos_set + t * BLOCK_M + dq_members)
                 dq_ptrs = DQ + head_row * HEAD_D + (gl.expand_dims(dq_pos * HEAD_D, 1) + dq_cols)
