@@ -55,6 +55,9 @@ CASES = [
     ("hopper dropout", 1, 4, 4, 1024, 64, ((256, 1), (512, 2)), True, False, "dropout"),
     ("hopper dropout causal", 1, 4, 2, 2048, 128, ((512, 1), (1024, 2), (2048, 4)), False, True,
      "dropout"),
+    # every copy path of the forward with dropout (D = 128): TMA boxes, runs, cp.async gathers
+    ("hopper dropout hilbert", 1, 4, 4, 1024, 128, ((256, 1), (512, 2), (1024, 4)), True, False,
+     "dropout"),
 ]
 
 
