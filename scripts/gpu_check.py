@@ -58,6 +58,9 @@ CASES = [
     # every copy path of the forward with dropout (D = 128): TMA boxes, runs, cp.async gathers
     ("hopper dropout hilbert", 1, 4, 4, 1024, 128, ((256, 1), (512, 2), (1024, 4)), True, False,
      "dropout"),
+    # N % w != 0 in the Hilbert order: partial last sets, gathered, with a mask and with dropout
+    ("hopper bool mask partial", 1, 4, 2, 1000, 64, ((256, 1), (512, 2)), True, False, "bool"),
+    ("hopper dropout partial", 2, 4, 4, 1000, 128, ((256, 1), (512, 4)), True, True, "dropout"),
 ]
 
 
