@@ -269,14 +269,40 @@ def _keep(qhash, khash, threshold):
 
 
 @gluon.jit
-def _user_mask(s, ptrs, MASK_KIND: gl.constexpr):
-    """The user's mask on base-2 scores s at `ptrs` (its entries, in s's layout): boolean
-    (MASK_KIND 1, nonzero = allowed) or additive float (2, in natural-log units)."""
+def _user_tile(Pos, pos_set, set_first, members, R, m_rows, MK, GATHER: gl.constexpr,
+               MASK_KIND: gl.constexpr):
+    """(positions of the key tile's members, addresses of the tile's mask entries: m_rows, the
+    rows' addresses, plus each key's column; 0 without a mask)."""
+    kpos = _key_positions(Pos, pos_set, set_first, members, R, GATHER)
+    m_ptrs = 0
+    if MASK_KIND != 0:
+        m_ptrs = m_rows + gl.expand_dims(kpos * MK, 0)
+    return kpos, m_ptrs
+
+
+@gluon.jit
+def _user_scores(s, qk_scale, m_ptrs, MASK_KIND: gl.constexpr):
+    """Raw products s scaled to base 2, then the user's mask at m_ptrs (its entries, in s's
+    layout), if any: boolean (MASK_KIND 1, nonzero = allowed) or additive float (2, in
+    natural-log units)."""
+    s = s * qk_scale
     if MASK_KIND == 1:
-        s = gl.where(gl.load(ptrs) != 0, s, float("-inf"))
-    else:
-        s = s + gl.load(ptrs).to(gl.float32) * 1.4426950408889634
+        s = gl.where(gl.load(m_ptrs) != 0, s, float("-inf"))
+    elif MASK_KIND == 2:
+        s = s + gl.load(m_ptrs).to(gl.float32) * 1.4426950408889634
     return s
+
+
+@gluon.jit
+def _user_softmax(s, m_i, l_i, qhash, kpos, Rows, keep_threshold, DROPOUT: gl.constexpr,
+                  ROWS: gl.constexpr):
+    """The softmax step of scaled scores (_softmax_step_any); under DROPOUT the entries whose
+    keep bits say so leave p (l counts every probability, the product with v kept ones)."""
+    p, alpha, m_i, l_i = _softmax_step_any(s, m_i, l_i)
+    if DROPOUT:
+        p = gl.where(_keep(qhash, gl.expand_dims(_hashed(Rows, kpos, ROWS), 0), keep_threshold),
+                     p, 0.0)
+    return p, alpha, m_i, l_i
 
 
 @gluon.jit
@@ -415,8 +441,10 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
             s_qpos = gl.load(Pos + (pos_q - q_first) + s_rows)
         else:
             s_qpos = set_first + s_rows * R
+        m_rows = 0
         if MASK_KIND != 0:
             m_rows = gl.expand_dims(Mask + s_qpos.to(gl.int64) * MQ, 1)
+        qhash = 0
         if DROPOUT:
             qhash = gl.expand_dims(_mix32(head_hash ^ _hashed(Rows, s_qpos, ROWS)), 1)
     mbarrier.wait(q_bar, 0)
@@ -426,16 +454,13 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         fence_async_shared()
     s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
-    if USER:
-        kpos = _key_positions(Pos, pos_q - q_first, set_first, s_cols, R, GATHER)
-        if MASK_KIND != 0:  # loaded while the product runs
-            m_ptrs = m_rows + gl.expand_dims(kpos * MK, 0)
+    if USER:  # the tile's key positions, and its mask entries' addresses
+        kpos, m_ptrs = _user_tile(Pos, pos_q - q_first, set_first, s_cols, R, m_rows, MK,
+                                  GATHER, MASK_KIND)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(0), count=1)
     if USER:
-        s = s * qk_scale
-        if MASK_KIND != 0:
-            s = _user_mask(s, m_ptrs, MASK_KIND)
+        s = _user_scores(s, qk_scale, m_ptrs, MASK_KIND)
     if CAUSAL:
         if n_tiles == 1:
             s = _on_diagonal(s, 0, query_first, BLOCK_M, BLOCK_N, s_layout)
@@ -443,10 +468,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         if n_tiles == 1:
             s = _past_count(s, 0, count, BLOCK_N, s_layout)
     if USER:
-        p, alpha, m_i, l_i = _softmax_step_any(s, m_i, l_i)
-        if DROPOUT:
-            p = gl.where(_keep(qhash, gl.expand_dims(_hashed(Rows, kpos, ROWS), 0),
-                               keep_threshold), p, 0.0)
+        p, alpha, m_i, l_i = _user_softmax(s, m_i, l_i, qhash, kpos, Rows, keep_threshold,
+                                           DROPOUT, ROWS)
     else:
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
@@ -461,16 +484,12 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                               is_async=True)
         acc_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
         if USER:
-            kpos = _key_positions(Pos, pos_q - q_first, set_first, t * BLOCK_N + s_cols, R,
-                                  GATHER)
-            if MASK_KIND != 0:
-                m_ptrs = m_rows + gl.expand_dims(kpos * MK, 0)
+            kpos, m_ptrs = _user_tile(Pos, pos_q - q_first, set_first, t * BLOCK_N + s_cols, R,
+                                      m_rows, MK, GATHER, MASK_KIND)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
         if USER:
-            s = s * qk_scale
-            if MASK_KIND != 0:
-                s = _user_mask(s, m_ptrs, MASK_KIND)
+            s = _user_scores(s, qk_scale, m_ptrs, MASK_KIND)
         if CAUSAL:
             if t == n_tiles - 1:
                 s = _on_diagonal(s, t * BLOCK_N, query_first, BLOCK_M, BLOCK_N, s_layout)
@@ -478,10 +497,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
             if t == n_tiles - 1:
                 s = _past_count(s, t * BLOCK_N, count, BLOCK_N, s_layout)
         if USER:
-            p, alpha, m_i, l_i = _softmax_step_any(s, m_i, l_i)
-            if DROPOUT:
-                p = gl.where(_keep(qhash, gl.expand_dims(_hashed(Rows, kpos, ROWS), 0),
-                                   keep_threshold), p, 0.0)
+            p, alpha, m_i, l_i = _user_softmax(s, m_i, l_i, qhash, kpos, Rows, keep_threshold,
+                                               DROPOUT, ROWS)
         else:
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         acc, p16_used = warpgroup_mma_wait(0, deps=(acc_tok, p16))  # p16 stays live until read
