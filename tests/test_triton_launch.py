@@ -386,3 +386,43 @@ def test_hopper_launches_read_the_layouts_they_are_given(hilbert, monkeypatch):
         assert [params[c] for c in ("QA", "QB", "QC", "QD")] == (
             list(gluon_forward._view(q, r)[1:]) if not isinstance(params["Qx"], torch.Tensor)
             else [*q.stride()[:3], 0])
+
+
+def test_hopper_launches_take_each_call_s_mask_and_dropout(monkeypatch):
+    """A user's mask and dropout reach the Hopper kernels (stand-ins, as on an H100): their
+    kinds and the mask's strides, broadcast to [B, H, N, N], bound once, and every launch of
+    every call given that call's own mask and seed."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from hilbert_fx.lowering import gluon_backward, gluon_backward_kernels, gluon_kernels
+    from hilbert_fx.lowering.dropout import keep_threshold
+    rec = _Recorder()
+    monkeypatch.setattr(triton_lowering, "_kernels", lambda: rec.module)
+    monkeypatch.setattr(triton_lowering, "_programs", triton_lowering._Programs())
+    fwd = Kernel(gluon_kernels._fwd_kernel.arg_names)
+    bwd = Kernel(gluon_backward_kernels._bwd_kernel.arg_names)
+    monkeypatch.setattr(gluon_forward, "_load", lambda: types.SimpleNamespace(_fwd_kernel=fwd))
+    monkeypatch.setattr(gluon_backward, "_load", lambda: types.SimpleNamespace(_bwd_kernel=bwd))
+    monkeypatch.setattr(gluon_forward, "_unsupported", lambda *a: None)
+    n, d, p = 256, 128, 0.2
+    plans = branch_plans(n, [128, 256], [1, 2], False)
+
+    def holds(call, t):  # a launch's argument: the tensor, or its address (a replay's)
+        return any(a.data_ptr() == t.data_ptr() if isinstance(a, torch.Tensor)
+                   else type(a) is int and a == t.data_ptr() for a in call)
+
+    for step in range(3):
+        q, k, v, dout = (torch.randn(1, 4, n, d).to(torch.bfloat16) for _ in range(4))
+        mask = torch.rand(1, 1, n, n) > 0.5
+        seed = torch.tensor(step + 5)
+        kw = dict(is_causal=False, attn_mask=mask, scale=0.1, dropout_p=p, seed=seed)
+        out, lse = triton_lowering.forward(q, k, v, plans, **kw)
+        triton_lowering.backward(dout, q, k, v, out, lse, plans, **kw)
+        for call in fwd.calls[-2:] + bwd.calls[-2:]:
+            assert holds(call, mask) and holds(call, seed), step
+    assert fwd.bound == 2 and bwd.bound == 2 and len(fwd.calls) == len(bwd.calls) == 6
+    strides = list(mask.expand(1, 4, n, n).stride())
+    for params in fwd.bound_params + bwd.bound_params:
+        assert (params["MASK_KIND"], params["DROPOUT"], params["ROWS"]) == (1, True, False)
+        assert [params[s] for s in ("MB", "MH", "MQ", "MK")] == strides
+        assert params["keep_threshold"] == keep_threshold(p)
+        assert params["drop_scale"] == pytest.approx(1 / (1 - p))
