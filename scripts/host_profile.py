@@ -482,9 +482,8 @@ def stub(lw, hopper: bool):
     gf = importlib.import_module(package + ".gluon_forward")
     gb = importlib.import_module(package + ".gluon_backward")
     if hopper:
-        def unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale):
-            if mask_kind or dropout or (plan.segment_length // plan.dilation_rate) % 128 \
-                    or not gf._whole_sets(plan):
+        def unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale, *rest):
+            if (plan.segment_length // plan.dilation_rate) % 128 or not gf._whole_sets(plan):
                 return "stub: Triton kernels"
             return None
         gf._unsupported = unsupported
