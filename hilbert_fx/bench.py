@@ -9,6 +9,8 @@ Times, for sequence lengths growing step by step until the GPU's memory would ru
   floor     cuDNN attention on blocks gathered beforehand: the useful work alone
 Useful FLOPs = sum over branches of 4*B*H*(N/r)*(w/r)*D (w capped at N), halved for causal;
 the backward counts 2.5 times the forward (five products against two).
+--mask bool|float and --dropout P time every method but flex with a user's mask ([1, 1, N, N],
+`user_mask`) or attention dropout; the floor then gathers the mask's blocks too (`_floor_fn`).
 Prints a table, writes bench.csv, bench.md and bench.png (time and useful TF/s against N).
 """
 from __future__ import annotations
