@@ -147,6 +147,40 @@ def test_backward_with_dropout_mixes_hopper_and_triton_branches(hopper_rates, mo
         assert_matches(a, b_, f"d{name}", scale=sc)
 
 
+def test_backward_hashes_the_dropout_rows_it_is_given(monkeypatch):
+    """dropout_rows (the positions a ring shard's rows stand for) reach the Hopper backward
+    (emulated) beside the Triton kernels: the gradients are the reference's under the keep bits
+    of those positions."""
+    require_lowering("triton")
+    from hilbert_fx.lowering import triton_lowering
+    from hilbert_fx.lowering.plans import branch_plans
+
+    monkeypatch.setattr(gluon_backward, "unsupported",
+                        lambda q, k, v, plan, **kw: None if plan.dilation_rate == 1 else "test")
+    monkeypatch.setattr(gluon_backward, "launch", emulated_launch)
+    monkeypatch.setattr(triton_lowering, "torch", _PoisonedTorch())
+    b, h, n, d, p, scale = 1, 4, 32, 8, 0.3, 0.35
+    segs, rates = [16, 32], [1, 2]
+    q, k, v, g = (torch.randn(b, h, n, d) for _ in range(4))
+    rows, seed = torch.arange(n) * 3 + 1000, torch.tensor(11)
+    plans = branch_plans(n, segs, rates, True, q.device)
+    kw = dict(is_causal=False, attn_mask=None, scale=scale, dropout_p=p, seed=seed,
+              dropout_rows=rows)
+    out, lse = triton_lowering.forward(q, k, v, plans, **kw)
+    grads = triton_lowering.backward(g, q, k, v, out, lse, plans, **kw)
+    keep = dropout.keep_mask(seed, torch.arange(b).view(b, 1, 1, 1),
+                             torch.arange(h).view(1, h, 1, 1), rows.view(1, 1, n, 1),
+                             rows.view(1, 1, 1, n), p)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference_dilated_attention(q64, k64, v64, segs, rates, hilbert=True, scale=scale,
+                                      dropout_p=p, dropout_keep=keep)
+    g_ref = torch.autograd.grad(ref, (q64, k64, v64), g.double())
+    assert_matches(out, ref, "out")
+    sc = common_scale(ref, *g_ref)
+    for name, a, b_ in zip("qkv", grads, g_ref):
+        assert_matches(a, b_, f"d{name}", scale=sc)
+
+
 def test_refused_on_cpu_and_under_deterministic_algorithms(monkeypatch):
     q = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)
     plan = branch_plan(256, 256, 1, False)
