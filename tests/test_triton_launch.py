@@ -346,12 +346,10 @@ def test_dropout_rows_slot_gets_each_calls_rows(monkeypatch):
     assert len(triton_lowering._programs) == 4
 
 
-@pytest.mark.parametrize("hilbert", [False, True], ids=["identity", "hilbert"])
-def test_hopper_launches_read_the_layouts_they_are_given(hilbert, monkeypatch):
-    """The Hopper kernels' host side, run on stand-ins (whole sets sent to them as on an H100):
-    q, k, v as [B, N, H, D] transposed, and a dO whose last dimension is strided, which the
-    backward copies: its coordinates (OA..OD) are those of the copy's layout, and every launch
-    after the first passes what the first passed, for each call's tensors."""
+def _hopper_stand_ins(monkeypatch, unsupported):
+    """(forward, backward) stand-ins of the Hopper kernels that record their launches, the
+    Triton kernels' too (_Recorder), and `unsupported` as gluon_forward._unsupported: the
+    branches it passes go through the Hopper kernels' host code, as on an H100."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     from hilbert_fx.lowering import gluon_backward, gluon_backward_kernels, gluon_kernels
     rec = _Recorder()
@@ -361,8 +359,18 @@ def test_hopper_launches_read_the_layouts_they_are_given(hilbert, monkeypatch):
     bwd = Kernel(gluon_backward_kernels._bwd_kernel.arg_names)
     monkeypatch.setattr(gluon_forward, "_load", lambda: types.SimpleNamespace(_fwd_kernel=fwd))
     monkeypatch.setattr(gluon_backward, "_load", lambda: types.SimpleNamespace(_bwd_kernel=bwd))
-    monkeypatch.setattr(gluon_forward, "_unsupported", lambda q, k, v, plan, *a: None
-                        if gluon_forward._whole_sets(plan) else "stand-in: Triton kernels")
+    monkeypatch.setattr(gluon_forward, "_unsupported", unsupported)
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("hilbert", [False, True], ids=["identity", "hilbert"])
+def test_hopper_launches_read_the_layouts_they_are_given(hilbert, monkeypatch):
+    """The Hopper kernels' host side, run on stand-ins (whole sets sent to them as on an H100):
+    q, k, v as [B, N, H, D] transposed, and a dO whose last dimension is strided, which the
+    backward copies: its coordinates (OA..OD) are those of the copy's layout, and every launch
+    after the first passes what the first passed, for each call's tensors."""
+    fwd, bwd = _hopper_stand_ins(monkeypatch, lambda q, k, v, plan, *a: None
+                                 if gluon_forward._whole_sets(plan) else "stand-in: Triton kernels")
     n, d = 256, 64
     plans = branch_plans(n, [128, 256], [1, 2], hilbert)
     kw = dict(is_causal=True, attn_mask=None, scale=0.125)
@@ -392,17 +400,8 @@ def test_hopper_launches_take_each_call_s_mask_and_dropout(monkeypatch):
     """A user's mask and dropout reach the Hopper kernels (stand-ins, as on an H100): their
     kinds and the mask's strides, broadcast to [B, H, N, N], bound once, and every launch of
     every call given that call's own mask and seed."""
-    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
-    from hilbert_fx.lowering import gluon_backward, gluon_backward_kernels, gluon_kernels
     from hilbert_fx.lowering.dropout import keep_threshold
-    rec = _Recorder()
-    monkeypatch.setattr(triton_lowering, "_kernels", lambda: rec.module)
-    monkeypatch.setattr(triton_lowering, "_programs", triton_lowering._Programs())
-    fwd = Kernel(gluon_kernels._fwd_kernel.arg_names)
-    bwd = Kernel(gluon_backward_kernels._bwd_kernel.arg_names)
-    monkeypatch.setattr(gluon_forward, "_load", lambda: types.SimpleNamespace(_fwd_kernel=fwd))
-    monkeypatch.setattr(gluon_backward, "_load", lambda: types.SimpleNamespace(_bwd_kernel=bwd))
-    monkeypatch.setattr(gluon_forward, "_unsupported", lambda *a: None)
+    fwd, bwd = _hopper_stand_ins(monkeypatch, lambda *a: None)
     n, d, p = 256, 128, 0.2
     plans = branch_plans(n, [128, 256], [1, 2], False)
 
