@@ -385,10 +385,7 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
             it += 1
     rows_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
     members = key_first + CID * KEYS + gl.arange(0, KEYS, layout=rows_l)
-    if GATHER:
-        krow = gl.load(Pos + pos_set + members)
-    else:
-        krow = set_row + members * R
+    krow = _key_positions(Pos, pos_set, set_row, members, R, GATHER)
     cols = gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout)), 0)
     base = kv_head_row * HEAD_D
     if PARTIAL:

@@ -730,10 +730,13 @@ class _Backward:
         # which writes any layout; the Triton kernels write them contiguous
         self.like_inputs = covers and hopper[-1]
         # the gradients in the inputs' dtype, written by the last branch when it covers every
-        # row (dq's not when dq is summed in the zeroed buffer), and the float32 sums of the
-        # branches before it; those not written are empty tensors made once
+        # row (dq's not when dq is summed in the zeroed buffer; dk's and dv's made like k, v
+        # instead when like_inputs), and the float32 sums of the branches before it; those not
+        # written are empty tensors made once
+        contiguous_kv = covers and not self.like_inputs
         self.final = [((b, hq, n, d), q.dtype, covers and not dq_zeroed),
-                      ((b, hkv, n, d), q.dtype, covers), ((b, hkv, n, dv), q.dtype, covers)]
+                      ((b, hkv, n, d), q.dtype, contiguous_kv),
+                      ((b, hkv, n, dv), q.dtype, contiguous_kv)]
         if self.like_inputs:  # the strides torch.empty_like gives, and the kernel is given
             kv_strides = [torch.empty_like(x, device="meta").stride()[:3] for x in (k, v)]
         self.unused = torch.empty(0, dtype=q.dtype, device=q.device)
