@@ -73,13 +73,14 @@ def _gather_rows(dst, base, Pos, first, stride_n, ROWS: gl.constexpr, HEAD_D: gl
 
 
 @gluon.jit
-def _gather_producer(Q, K, V, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                     v_empty, q_base, k_base, v_base, q_sn, k_sn, v_sn, pos_set, q_first, n_tiles,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                     STAGES: gl.constexpr, PW: gl.constexpr):
+def _gather_producer(Q, K, V, Pos, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+                     v_ready, v_empty, q_base, k_base, v_base, q_sn, k_sn, v_sn, pos_set, q_first,
+                     n_tiles, c0, item, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_D: gl.constexpr, STAGES: gl.constexpr, PW: gl.constexpr):
     """PW warps, for sets reached through the plan's positions: the same rings as _tma_producer,
     filled by cp.async (Hopper's TMA cannot gather rows); every thread of the partition
     arrives on the slot's `ready` barrier once its own copies have landed."""
+    mbarrier.wait(q_empty, (item & 1) ^ 1)
     for i in gl.static_range(CONSUMERS):
         _gather_rows(q_smem.index(i), Q + q_base, Pos, pos_set + q_first + i * BLOCK_M, q_sn,
                      BLOCK_M, HEAD_D, PW)
@@ -92,8 +93,8 @@ def _gather_producer(Q, K, V, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_emp
         # a key tile's positions serve its value tile too, and they are read before the slot
         # frees (the wait hides their latency): 6 to 8% fewer cycles than reading them after
         # each wait (ncu, r = 4 and 8 at N = 64K)
-        slot = t % STAGES
-        phase = ((t // STAGES) & 1) ^ 1
+        slot = (c0 + t) % STAGES
+        phase = (((c0 + t) // STAGES) & 1) ^ 1
         pos = gl.expand_dims(gl.load(Pos + pos_set + t * BLOCK_N + members), 1)
         mbarrier.wait(k_empty.index(slot), phase)
         async_copy.async_copy_global_to_shared(k_smem.index(slot),
@@ -142,20 +143,22 @@ def _tma_rows(desc, dst, bar, Pos, pos_set, member, row0, col0, CO, R, ROWS: gl.
 
 
 @gluon.jit
-def _tma_producer(q_desc, k_desc, v_desc, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                  v_ready, v_empty, q_row, q_col, k_row, k_col, v_row, v_col, QCO, KCO, VCO, R,
-                  pos_set, q_first, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, RUN: gl.constexpr):
-    """One warp: the q rows of both consumers, then key and value tiles into their rings, by
-    TMA: a box a tile for strided sets, a box a run for sets made of runs (_tma_rows, their
-    first positions read once a tile, before the waits)."""
+def _tma_producer(q_desc, k_desc, v_desc, Pos, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                  k_empty, v_ready, v_empty, q_row, q_col, k_row, k_col, v_row, v_col, QCO, KCO,
+                  VCO, R, pos_set, q_first, n_tiles, c0, item, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RUN: gl.constexpr):
+    """One warp: the q rows of both consumers (once they are done with the item before), then
+    key and value tiles into their rings, by TMA: a box a tile for strided sets, a box a run
+    for sets made of runs (_tma_rows, their first positions read once a tile, before the
+    waits)."""
+    mbarrier.wait(q_empty, (item & 1) ^ 1)
     mbarrier.expect(q_bar, CONSUMERS * _boxes(BLOCK_M, RUN) * q_desc.block_type.nbytes)
     for i in gl.static_range(CONSUMERS):
         _tma_rows(q_desc, q_smem.index(i), q_bar, Pos, pos_set, q_first + i * BLOCK_M, q_row,
                   q_col, QCO, R, BLOCK_M, RUN)
     for t in range(n_tiles):
-        slot = t % STAGES
-        phase = ((t // STAGES) & 1) ^ 1  # the first round finds every slot free
+        slot = (c0 + t) % STAGES
+        phase = (((c0 + t) // STAGES) & 1) ^ 1  # the first round finds every slot free
         if RUN > 0:
             starts = _run_starts(Pos, pos_set + t * BLOCK_N, BLOCK_N, RUN)
         else:
@@ -171,30 +174,88 @@ def _tma_producer(q_desc, k_desc, v_desc, Pos, q_smem, k_smem, v_smem, q_bar, k_
 
 
 @gluon.jit
-def _load_partition(Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                    v_empty, b, h, hk, off, seg, set_len, R, pos_set, q_first, n_tiles,
-                    QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                    GATHER: gl.constexpr, RUN: gl.constexpr, PW: gl.constexpr):
-    """The producer partition: the copy path of the CTA's sets, and where their rows start."""
-    if GATHER and RUN == 0:
-        _gather_producer(Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                         v_ready, v_empty, b.to(gl.int64) * QA + h.to(gl.int64) * QB,
-                         b.to(gl.int64) * KA + hk.to(gl.int64) * KB,
-                         b.to(gl.int64) * VA + hk.to(gl.int64) * VB, QC, KC, VC, pos_set,
-                         q_first, n_tiles, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PW)
+def _item_index(Table, j, items, TABLE: gl.constexpr):
+    """The CTA's j-th work item, or -1 for none: Table[j, program] (a schedule made on the host,
+    lowering/gluon_forward.item_table), else program + j * programs."""
+    if TABLE:
+        i = gl.load(Table + j * gl.num_programs(0) + gl.program_id(0))
     else:
-        if GATHER:  # runs: each box's row and column follow from its first position
-            member = 0
-            o = 0
-        else:  # member m of the set is row member + m, its offset's column
-            member = seg * set_len
-            o = off
-        _tma_producer(Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                      v_empty, b * QA + h * QB + member, o * QD + h * QC,
-                      b * KA + hk * KB + member, o * KD + hk * KC, b * VA + hk * VB + member,
-                      o * VD + hk * VC, QD, KD, VD, R, pos_set, q_first, n_tiles, BLOCK_M,
-                      BLOCK_N, STAGES, RUN)
+        i = gl.program_id(0) + j * gl.num_programs(0)
+        if i >= items:
+            i = -1
+    return i
+
+
+@gluon.jit
+def _fwd_item(i, tiles, segments, thirds, H, R, W, Cnt, stride_co, stride_cs,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+              PARTIAL: gl.constexpr, CHUNK: gl.constexpr, THIRD_FIRST: gl.constexpr):
+    """(b, h, offset, segment, first member, members, key tiles) of work item i: CONSUMERS *
+    BLOCK_M query members of one set of query head h. Under CAUSAL the ranks run last tile to
+    first (the longest first), and each stops at the key tile of its last query. PARTIAL: set
+    (offset, segment) has Cnt[offset, segment] members; an item past them has no key tile."""
+    tile, seg, bh = _work(i, tiles, segments, thirds, CAUSAL, CHUNK, THIRD_FIRST)
+    if CAUSAL:  # rank 0 is the last query tile, the longest
+        tile = tiles - 1 - tile
+    b = bh // H
+    h = bh % H
+    off = h % R
+    q_first = tile * (CONSUMERS * BLOCK_M)
+    if PARTIAL:
+        count = gl.load(Cnt + off * stride_co + seg * stride_cs).to(gl.int32)
+        n_tiles = ((count + BLOCK_N - 1) // BLOCK_N) * (q_first < count).to(gl.int32)
+    else:
+        count = W // R
+        n_tiles = count // BLOCK_N
+    if CAUSAL:  # key tiles up to the one holding the item's last query
+        n_tiles = gl.minimum(n_tiles, (q_first + CONSUMERS * BLOCK_M + BLOCK_N - 1) // BLOCK_N)
+    return b, h, off, seg, q_first, count, n_tiles
+
+
+@gluon.jit
+def _load_partition(Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+                    v_ready, v_empty, Table, rounds, items, tiles, segments, thirds, H, GROUP, R,
+                    W, stride_po, stride_ps, Cnt, stride_co, stride_cs, QA, QB, QC, QD, KA, KB,
+                    KC, KD, VA, VB, VC, VD, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    HEAD_D: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr,
+                    RUN: gl.constexpr, PW: gl.constexpr, CAUSAL: gl.constexpr,
+                    PARTIAL: gl.constexpr, CHUNK: gl.constexpr, THIRD_FIRST: gl.constexpr,
+                    TABLE: gl.constexpr):
+    """The producer partition: for each of the CTA's work items, the copy path of its set and
+    where its rows start. The rings run on across items (c: key tiles copied so far), so the
+    next item's q and first key tiles load while the consumers finish the one before."""
+    c = 0
+    item = 0
+    for j in range(rounds):
+        i = _item_index(Table, j, items, TABLE)
+        b, h, off, seg, q_first, count, n_tiles = _fwd_item(
+            gl.maximum(i, 0), tiles, segments, thirds, H, R, W, Cnt, stride_co, stride_cs,
+            BLOCK_M, BLOCK_N, CAUSAL, PARTIAL, CHUNK, THIRD_FIRST)
+        if (i >= 0) & (n_tiles > 0):
+            hk = h // GROUP
+            if GATHER and RUN == 0:
+                _gather_producer(Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                                 k_empty, v_ready, v_empty, b.to(gl.int64) * QA + h.to(gl.int64) * QB,
+                                 b.to(gl.int64) * KA + hk.to(gl.int64) * KB,
+                                 b.to(gl.int64) * VA + hk.to(gl.int64) * VB, QC, KC, VC,
+                                 off * stride_po + seg * stride_ps, q_first, n_tiles, c, item,
+                                 BLOCK_M, BLOCK_N, HEAD_D, STAGES, PW)
+            else:
+                if GATHER:  # runs: each box's row and column follow from its first position
+                    member = 0
+                    o = 0
+                    pos_set = off * stride_po + seg * stride_ps
+                else:  # member m of the set is row member + m, its offset's column
+                    member = seg * (W // R)
+                    o = off
+                    pos_set = 0
+                _tma_producer(Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                              k_empty, v_ready, v_empty, b * QA + h * QB + member, o * QD + h * QC,
+                              b * KA + hk * KB + member, o * KD + hk * KC,
+                              b * VA + hk * VB + member, o * VD + hk * VC, QD, KD, VD, R,
+                              pos_set, q_first, n_tiles, c, item, BLOCK_M, BLOCK_N, STAGES, RUN)
+            c += n_tiles
+            item += 1
 
 
 @gluon.jit
@@ -381,16 +442,18 @@ def _merge_rows(acc, m_i, l_i, old, Out, Acc, Lse, rows, out_rows, valid, drop_s
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc, Lse,
-              Pos, qk_scale, first_row, out_first, ON, R, pos_q, q_first, n_tiles, count,
-              Mask, MQ, MK, Rows, head_hash, keep_threshold, drop_scale, set_first,
-              CID: gl.constexpr, NW: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _consume_item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, Out,
+                  Acc, Lse, Pos, qk_scale, first_row, out_first, ON, R, pos_q, q_first, n_tiles,
+                  count, Mask, MQ, MK, Rows, head_hash, keep_threshold, drop_scale, set_first,
+                  c0, item, CID: gl.constexpr, NW: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_D: gl.constexpr, STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
               GATHER: gl.constexpr, CAUSAL: gl.constexpr, CP_ASYNC: gl.constexpr,
               PARTIAL: gl.constexpr, MASK_KIND: gl.constexpr, DROPOUT: gl.constexpr,
               ROWS: gl.constexpr):
-    """Rows CID * BLOCK_M ... of the CTA's query tile (members q_first + ...), over the key tiles
-    [0, n_tiles) of the set; under CAUSAL the last of them holds the diagonal. GATHER: rows are
+    """Rows CID * BLOCK_M ... of a work item's query tile (members q_first + ...), over the key
+    tiles [0, n_tiles) of the set; under CAUSAL the last of them holds the diagonal. c0: key
+    tiles the rings held before this item; item: items before it (the phase of q_bar and
+    q_empty, which this consumer frees once its last product with q is done). GATHER: rows are
     found through Pos. CP_ASYNC: the rings were written by cp.async (the generic proxy), which
     wgmma reads only after a proxy fence. PARTIAL: the set has `count` members (a packed row's
     set); members past it are neither keys (masked on the last tile; under CAUSAL the diagonal
@@ -447,18 +510,19 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         qhash = 0
         if DROPOUT:
             qhash = gl.expand_dims(_mix32(head_hash ^ _hashed(Rows, s_qpos, ROWS)), 1)
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, item & 1)
 
-    mbarrier.wait(k_ready.index(0), 0)
+    first = c0 % STAGES
+    mbarrier.wait(k_ready.index(first), (c0 // STAGES) & 1)
     if CP_ASYNC:
         fence_async_shared()
-    s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+    s_tok = warpgroup_mma(q_tile, k_smem.index(first).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
     if USER:  # the tile's key positions, and its mask entries' addresses
         kpos, m_ptrs = _user_tile(Pos, pos_q - q_first, set_first, s_cols, R, m_rows, MK,
                                   GATHER, MASK_KIND)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(0), count=1)
+    mbarrier.arrive(k_empty.index(first), count=1)
     if USER:
         s = _user_scores(s, qk_scale, m_ptrs, MASK_KIND)
     if CAUSAL:
@@ -474,10 +538,10 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
     for t in range(1, n_tiles):  # S(t) and P(t-1) v(t-1) in flight; then the softmax of t
-        slot = t % STAGES
-        prev = (t - 1) % STAGES
-        mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
-        mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
+        slot = (c0 + t) % STAGES
+        prev = (c0 + t - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), ((c0 + t) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((c0 + t - 1) // STAGES) & 1)
         if CP_ASYNC:
             fence_async_shared()
         s_tok = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
@@ -505,8 +569,9 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
-    last = (n_tiles - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    mbarrier.arrive(q_empty, count=1)  # q's last product is done: the next item's q may load
+    last = (c0 + n_tiles - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((c0 + n_tiles - 1) // STAGES) & 1)
     if CP_ASYNC:
         fence_async_shared()
     acc_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
@@ -523,32 +588,25 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
 
 
 @gluon.jit
-def _scheduled(CAUSAL: gl.constexpr, CHUNK: gl.constexpr, THIRD_FIRST: gl.constexpr = False):
-    """(rank, segment, program of the third grid dimension) of this CTA: its program ids, or,
-    under causal masks, whose tiles differ in work (the longest tile of a set has 16 times the
-    shortest's at sets of 2048), this order: the grid (tiles, segments, third) is read as
-    chunks of CHUNK sets (CHUNK divides segments * third: lowering/gluon_forward.chunk_sets);
-    within a chunk, the CTAs of rank 0
-    (each set's longest tile, the caller's choice which) run first, then rank 1, ..., so the
-    last wave of a launch holds its shortest tiles rather than some of its longest
+def _work(linear, tiles, segments, thirds, CAUSAL: gl.constexpr, CHUNK: gl.constexpr,
+          THIRD_FIRST: gl.constexpr = False):
+    """(rank, segment, third) of work item `linear` of a grid (tiles, segments, thirds) read in
+    this order: grid order (the rank fastest), or, under causal masks, whose tiles differ in
+    work (the longest tile of a set has 16 times the shortest's at sets of 2048), chunks of
+    CHUNK sets (CHUNK divides segments * thirds: lowering/gluon_forward.chunk_sets); within a
+    chunk, the items of rank 0 (each set's longest tile, the caller's choice which) come first,
+    then rank 1, ..., so the last wave holds the shortest tiles rather than some of the longest
     (longest-first scheduling, as FlashAttention-3's causal scheduler). A chunk's sets run
-    together and share their rows in L2, as a set's tiles did in grid order.
+    together and share their rows in L2, as a set's tiles do in grid order.
     THIRD_FIRST (a user's mask, which heads and batches may share): the third dimension runs
     fastest, then the rank, then the segment, so that the programs reading one set's entries
     of the mask (every head's; with r > 1 every offset's, interleaved in the same rows) run
     together and meet them in L2, rather than once per head from memory."""
     if THIRD_FIRST:
-        thirds = gl.num_programs(2)
-        tiles = gl.num_programs(0)
-        linear = gl.program_id(0) + tiles * (gl.program_id(1) + gl.num_programs(1)
-                                             * gl.program_id(2))
         third = linear % thirds
         rank = (linear // thirds) % tiles
         seg = linear // (thirds * tiles)
     elif CAUSAL:
-        tiles = gl.num_programs(0)
-        segments = gl.num_programs(1)
-        linear = gl.program_id(0) + tiles * (gl.program_id(1) + segments * gl.program_id(2))
         chunk = linear // (CHUNK * tiles)
         within = linear - chunk * (CHUNK * tiles)
         set_index = chunk * CHUNK + within % CHUNK
@@ -556,10 +614,64 @@ def _scheduled(CAUSAL: gl.constexpr, CHUNK: gl.constexpr, THIRD_FIRST: gl.conste
         seg = set_index % segments
         third = set_index // segments
     else:
-        rank = gl.program_id(0)
-        seg = gl.program_id(1)
-        third = gl.program_id(2)
+        rank = linear % tiles
+        seg = (linear // tiles) % segments
+        third = linear // (tiles * segments)
     return rank, seg, third
+
+
+@gluon.jit
+def _scheduled(CAUSAL: gl.constexpr, CHUNK: gl.constexpr, THIRD_FIRST: gl.constexpr = False):
+    """(rank, segment, program of the third grid dimension) of this CTA in `_work`'s order."""
+    tiles = gl.num_programs(0)
+    segments = gl.num_programs(1)
+    linear = gl.program_id(0) + tiles * (gl.program_id(1) + segments * gl.program_id(2))
+    return _work(linear, tiles, segments, gl.num_programs(2), CAUSAL, CHUNK, THIRD_FIRST)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, Out,
+              Acc, Lse, Pos, qk_scale, Table, rounds, items, tiles, segments, thirds, H, N, R, W,
+              stride_po, stride_ps, Cnt, stride_co, stride_cs, OB, OH, ON, Mask, MB, MH, MQ, MK,
+              Seed, Rows, keep_threshold, drop_scale, CID: gl.constexpr, NW: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+              STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
+              GATHER: gl.constexpr, CAUSAL: gl.constexpr, CP_ASYNC: gl.constexpr,
+              PARTIAL: gl.constexpr, MASK_KIND: gl.constexpr, DROPOUT: gl.constexpr,
+              ROWS: gl.constexpr, CHUNK: gl.constexpr, TABLE: gl.constexpr):
+    """Consumer CID over the CTA's work items (_fwd_item), in the producer's order: where each
+    item's rows lie, then _consume_item."""
+    c = 0
+    item = 0
+    for j in range(rounds):
+        i = _item_index(Table, j, items, TABLE)
+        b, h, off, seg, q_first, count, n_tiles = _fwd_item(
+            gl.maximum(i, 0), tiles, segments, thirds, H, R, W, Cnt, stride_co, stride_cs,
+            BLOCK_M, BLOCK_N, CAUSAL, PARTIAL, CHUNK, MASK_KIND != 0)
+        if (i >= 0) & (n_tiles > 0):
+            bh = b * H + h
+            if GATHER:
+                first_row = bh.to(gl.int64) * N  # Acc, Lse: [B, H, N]
+                out_first = b.to(gl.int64) * OB + h.to(gl.int64) * OH
+                pos_set = off * stride_po + seg * stride_ps
+            else:
+                first_row = bh.to(gl.int64) * N + seg * W + off + q_first * R
+                out_first = (b.to(gl.int64) * OB + h.to(gl.int64) * OH
+                             + (seg * W + off + q_first * R).to(gl.int64) * ON)
+                pos_set = 0
+            if DROPOUT:
+                head_hash = _head_hash(Seed, b, h)
+            else:
+                head_hash = 0
+            _consume_item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                          v_empty, Out, Acc, Lse, Pos, qk_scale, first_row, out_first, ON, R,
+                          pos_set + q_first, q_first, n_tiles, count,
+                          Mask + b.to(gl.int64) * MB + h.to(gl.int64) * MH, MQ, MK, Rows,
+                          head_hash, keep_threshold, drop_scale, seg * W + off, c, item, CID, NW,
+                          BLOCK_M, BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER, CAUSAL, CP_ASYNC,
+                          PARTIAL, MASK_KIND, DROPOUT, ROWS)
+            c += n_tiles
+            item += 1
 
 
 @gluon.jit
@@ -567,54 +679,39 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
                 H, N, GROUP, R: gl.constexpr, W, stride_po, stride_ps, Cnt, stride_co, stride_cs,
                 QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, OB, OH, ON,
                 Mask, MB, MH, MQ, MK, Seed, Rows, keep_threshold, drop_scale,
+                TILES, SEGMENTS, THIRDS, Table, ROUNDS,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                 STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
                 GATHER: gl.constexpr, CAUSAL: gl.constexpr, RUN: gl.constexpr,
                 PARTIAL: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 CHUNK: gl.constexpr, num_warps: gl.constexpr, MASK_KIND: gl.constexpr = 0,
-                DROPOUT: gl.constexpr = False, ROWS: gl.constexpr = False):
-    """Grid (set length / (2 * BLOCK_M), segments, B * H): the query tile runs fastest, so the
-    CTAs of one set run together and share its keys and values in L2. Under CAUSAL the query
-    tiles run last to first (the longest first), the sets in chunks of CHUNK (`_scheduled`), and
-    each tile stops at its diagonal key tile.
+                DROPOUT: gl.constexpr = False, ROWS: gl.constexpr = False,
+                TABLE: gl.constexpr = False):
+    """Persistent: a 1-D grid of CTAs, each taking ROUNDS work items in turn (_item_index: its
+    column of Table under TABLE, a schedule made on the host; else program, program + programs,
+    ... < TILES * SEGMENTS * THIRDS), item i being (query tile, segment, b * H + h) of `_work`'s
+    order over the grid (set length / (2 * BLOCK_M), segments, B * H): the query tile runs
+    fastest, so the items of one set run together and share its keys and values in L2; under
+    CAUSAL the query tiles run last to first (the longest first), the sets in chunks of CHUNK,
+    and each tile stops at its diagonal key tile (_fwd_item). A CTA's producer copies the next
+    item's q and first key tiles while its consumers finish the item before (its last products
+    and the merge's loads and stores): launched one CTA an item, each CTA paid that start and
+    end with the tensor cores idle. A grid of one CTA an item (ROUNDS = 1) is the plain launch.
 
     Strided sets (not GATHER): Qx, Kx, Vx are TMA descriptors of the 2-D views and (A, B, C, D)
     of each are (RB, RH, CH, CO) above. GATHER: member m of set j of offset o is at Pos[o, j, m];
     Qx, Kx, Vx are the tensors and (A, B, C) their batch, head and row strides, or, when RUN > 0
     (the members come in stride-R runs of RUN), descriptors as above with boxes of RUN rows.
     PARTIAL (GATHER, RUN == 0): set j of offset o has Cnt[o, j] members (a packed row's plan);
-    CTAs past it end at once, the others stop at its last key tile. Out's element (b, h, n, 0)
+    items past it are skipped, the others stop at its last key tile. Out's element (b, h, n, 0)
     is at b * OB + h * OH + n * ON (the op's output is [B, N, H, D] in memory, as
     FlashAttention's, so that a model's output projection reads it without a copy).
 
     MASK_KIND (1 boolean, 2 additive float): the user's mask broadcast to [B, H, N, N] by
     strides (MB, MH, MQ, MK); DROPOUT: keep bits hashed from (Seed, b, h, positions, Rows under
     ROWS), kept entries scaled by drop_scale (lowering/triton_kernels.py's conventions)."""
-    tile, seg, bh = _scheduled(CAUSAL, CHUNK, MASK_KIND != 0)
-    if CAUSAL:  # rank 0 is the last query tile, the longest
-        tile = gl.num_programs(0) - 1 - tile
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    off = h % R
-    set_len = W // R
-    q_first = tile * (CONSUMERS * BLOCK_M)  # the CTA's first member
-    if PARTIAL:
-        count = gl.load(Cnt + off * stride_co + seg * stride_cs).to(gl.int32)
-        if q_first >= count:  # a CTA with no member of its partial set
-            return
-        n_tiles = (count + BLOCK_N - 1) // BLOCK_N
-    else:
-        count = set_len
-        n_tiles = set_len // BLOCK_N
-    if CAUSAL:  # key tiles up to the one holding the CTA's last query
-        n_tiles = gl.minimum(n_tiles, (q_first + CONSUMERS * BLOCK_M + BLOCK_N - 1) // BLOCK_N)
-    mask_head = Mask + b.to(gl.int64) * MB + h.to(gl.int64) * MH
-    if DROPOUT:
-        head_hash = _head_hash(Seed, b, h)
-    else:
-        head_hash = 0
+    items = TILES * SEGMENTS * THIRDS
     # the producer copies by cp.async (Qx a tensor; each of its threads arrives) or by TMA
     CP_ASYNC: gl.constexpr = GATHER and RUN == 0
     dtype: gl.constexpr = Qx.dtype.element_ty if CP_ASYNC else Qx.dtype
@@ -622,26 +719,21 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     if GATHER:
         q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
         kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
-        first_row = bh.to(gl.int64) * N  # Acc, Lse: [B, H, N]
-        out_first = b.to(gl.int64) * OB + h.to(gl.int64) * OH
-        pos_set = off * stride_po + seg * stride_ps
     else:
         q_sl: gl.constexpr = Qx.layout
         kv_sl: gl.constexpr = Kx.layout
-        first_row = bh.to(gl.int64) * N + seg * W + off + q_first * R
-        out_first = (b.to(gl.int64) * OB + h.to(gl.int64) * OH
-                     + (seg * W + off + q_first * R).to(gl.int64) * ON)
-        pos_set = 0
 
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, HEAD_D], q_sl)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_sl)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_sl)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=arrivals)
+    mbarrier.init(q_empty, count=CONSUMERS)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=arrivals)
         mbarrier.init(v_ready.index(i), count=arrivals)
@@ -652,20 +744,23 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
     # Triton 3.6: the argument tuples must be written inline (a tuple held in a variable turns
     # its constexprs into tensors).
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc,
-                     Lse, Pos, qk_scale, first_row, out_first, ON, R, pos_set + q_first, q_first,
-                     n_tiles, count, mask_head, MQ, MK, Rows, head_hash, keep_threshold,
-                     drop_scale, seg * W + off, 0, num_warps, BLOCK_M, BLOCK_N, HEAD_D,
-                     STAGES, FIRST, LAST, GATHER, CAUSAL, CP_ASYNC, PARTIAL, MASK_KIND, DROPOUT,
-                     ROWS)),
-        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Acc,
-                     Lse, Pos, qk_scale, first_row, out_first, ON, R, pos_set + q_first, q_first,
-                     n_tiles, count, mask_head, MQ, MK, Rows, head_hash, keep_threshold,
-                     drop_scale, seg * W + off, 1, num_warps, BLOCK_M, BLOCK_N, HEAD_D,
-                     STAGES, FIRST, LAST, GATHER, CAUSAL, CP_ASYNC, PARTIAL, MASK_KIND, DROPOUT,
-                     ROWS)),
-        (_load_partition, (Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                           v_ready, v_empty, b, h, hk, off, seg, set_len, R, pos_set, q_first,
-                           n_tiles, QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, BLOCK_M,
-                           BLOCK_N, HEAD_D, STAGES, GATHER, RUN, PRODUCER_WARPS)),
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                     Out, Acc, Lse, Pos, qk_scale, Table, ROUNDS, items, TILES, SEGMENTS, THIRDS,
+                     H, N, R, W,
+                     stride_po, stride_ps, Cnt, stride_co, stride_cs, OB, OH, ON, Mask, MB, MH,
+                     MQ, MK, Seed, Rows, keep_threshold, drop_scale, 0, num_warps, BLOCK_M,
+                     BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER, CAUSAL, CP_ASYNC, PARTIAL,
+                     MASK_KIND, DROPOUT, ROWS, CHUNK, TABLE)),
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                     Out, Acc, Lse, Pos, qk_scale, Table, ROUNDS, items, TILES, SEGMENTS, THIRDS,
+                     H, N, R, W,
+                     stride_po, stride_ps, Cnt, stride_co, stride_cs, OB, OH, ON, Mask, MB, MH,
+                     MQ, MK, Seed, Rows, keep_threshold, drop_scale, 1, num_warps, BLOCK_M,
+                     BLOCK_N, HEAD_D, STAGES, FIRST, LAST, GATHER, CAUSAL, CP_ASYNC, PARTIAL,
+                     MASK_KIND, DROPOUT, ROWS, CHUNK, TABLE)),
+        (_load_partition, (Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                           k_empty, v_ready, v_empty, Table, ROUNDS, items, TILES, SEGMENTS,
+                           THIRDS, H, GROUP, R, W, stride_po, stride_ps, Cnt, stride_co, stride_cs, QA, QB, QC, QD, KA,
+                           KB, KC, KD, VA, VB, VC, VD, BLOCK_M, BLOCK_N, HEAD_D, STAGES, GATHER,
+                           RUN, PRODUCER_WARPS, CAUSAL, PARTIAL, CHUNK, MASK_KIND != 0, TABLE)),
     ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

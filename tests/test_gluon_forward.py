@@ -132,3 +132,51 @@ def test_other_triton_versions_refused(monkeypatch):
     monkeypatch.setattr(gluon_forward, "_import_error", None)
     assert gluon_forward._load() is None
     assert "Triton 3.9.0" in gluon_forward._import_error
+
+
+def _causal_rank(i, tiles, segments, thirds, chunk):
+    """The rank of item i in gluon_kernels._work's causal order (chunks of `chunk` sets, each
+    chunk's items rank by rank), written out here from that order's definition."""
+    chunk_items = chunk * tiles
+    return (i - (i // chunk_items) * chunk_items) // chunk
+
+
+@pytest.mark.parametrize("work", [(16, 8, 16), (16, 1, 16), (8, 4, 6), (2, 3, 5)])
+def test_persistent_schedule_covers_each_item_once(work):
+    tiles, segments, thirds = work
+    items = tiles * segments * thirds
+    chunk = gluon_forward.chunk_sets(work, True)
+    grid, table, rounds = gluon_forward.persistent_schedule(
+        work, is_causal=True, partial=False, chunk=chunk, third_first=False, ctas=132,
+        device=torch.device("cpu"))
+    if items <= 132:  # one CTA an item
+        assert grid == (items, ) and table is None and rounds == 1
+        return
+    assert grid == (132, ) and table.shape == (rounds, 132)
+    taken = table[table >= 0].tolist()
+    assert sorted(taken) == list(range(items))
+    loads = []
+    for cta in range(132):
+        mine = [i for i in table[:, cta].tolist() if i >= 0]
+        assert mine == sorted(mine)  # each CTA runs its items in the launch's order
+        assert all(i == -1 for i in table[len(mine):, cta].tolist())  # padding only at the end
+        loads.append(sum(tiles - _causal_rank(i, *work, chunk) + 1.5 for i in mine))
+    # list scheduling: no CTA ends more than one longest item past the average, and none later
+    # than the last of a round-robin share (CTA p taking items p, p + 132, ...) would
+    assert max(loads) <= sum(loads) / 132 + tiles + 1.5
+    shared = [sum(tiles - _causal_rank(i, *work, chunk) + 1.5 for i in range(cta, items, 132))
+              for cta in range(132)]
+    assert max(loads) <= max(shared)
+    if work == (16, 1, 16):  # 256 items of 1 to 16 key tiles: the share leaves SMs idle
+        assert max(loads) < 0.9 * max(shared)
+
+
+def test_persistent_schedule_shares_items_alike_round_robin():
+    kw = dict(chunk=1, third_first=False, ctas=132, device=torch.device("cpu"))
+    assert gluon_forward.persistent_schedule((16, 8, 16), is_causal=False, partial=False,
+                                             **kw) == ((132, ), None, 16)
+    assert gluon_forward.persistent_schedule((16, 1, 4), is_causal=False, partial=False,
+                                             **kw) == ((64, ), None, 1)
+    # partial sets: each item its CTA, whatever their number (their work is read on the GPU)
+    assert gluon_forward.persistent_schedule((16, 8, 16), is_causal=True, partial=True,
+                                             **kw) == ((2048, ), None, 1)
