@@ -19,6 +19,7 @@ from .triton_plans import plan_tensors
 
 LOG2E = 1.4426950408889634
 CTA_KEYS = 128  # two consumers of 64 keys
+PERSISTENT_HEAD_D = 64  # head dims up to this run the persistent backward
 _TILES = dict(BLOCK_M=64, STAGES=2)
 # producer: one warp issuing TMA copies, or two issuing cp.async ones; with 40 registers for the
 # cp.async producer (232 for consumers) the backward took 13.97 ms against 14.35 with the forward's
@@ -104,7 +105,7 @@ def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, fi
     w, r = plan.segment_length, plan.dilation_rate
     group = hq // hkv
     classes = min(r, group)
-    grid = (gluon_forward.set_tiles(plan, CTA_KEYS), plan.num_segments, b * hkv * classes)
+    work = (gluon_forward.set_tiles(plan, CTA_KEYS), plan.num_segments, b * hkv * classes)
     bm = _TILES["BLOCK_M"]
     run = gluon_forward.plan_run(plan)
     partial = gluon_forward.partial_sets(plan)
@@ -128,9 +129,18 @@ def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, fi
             *coords, *(final_strides or (hkv * n * d, n * d, d) * 2)]
     user_args, user_kinds = user or gluon_forward.user_arguments(buffers[-2], None, None, None,
                                                                  0, 1.0)
-    args += user_args
+    # persistent at D = 64 as the forward (the causal order's items meet 2 * (tiles - rank)
+    # query tiles each, the forward's shape of work, so the same schedule serves); at D = 128
+    # one item a CTA, as the persistent loop's registers spilled more there and it ran 2 to 4%
+    # slower (H200, BENCHMARKS.md)
+    chunk = gluon_forward.chunk_sets(work, is_causal)
+    persistent = d <= PERSISTENT_HEAD_D
+    grid, table, rounds = gluon_forward.persistent_schedule(
+        work, is_causal=is_causal, partial=partial or not persistent, chunk=chunk,
+        third_first=user_kinds["MASK_KIND"] != 0,
+        ctas=gluon_forward.resident_ctas(q.device), device=q.device)
+    args += [*user_args, *work, buffers[-2] if table is None else table, rounds]
     kwargs = dict(R=r, HEAD_D=d, CAUSAL=bool(is_causal), FIRST=first, LAST=last,
-                  ONE_HEAD=group <= r, PARTIAL=partial,
-                  CHUNK=gluon_forward.chunk_sets(grid, is_causal), **_TILES, **regs,
-                  **user_kinds)
+                  ONE_HEAD=group <= r, PARTIAL=partial, CHUNK=chunk, TABLE=table is not None,
+                  PERSISTENT=persistent, **_TILES, **regs, **user_kinds)
     return kern._bwd_kernel, grid, args, kwargs

@@ -4,7 +4,7 @@ lowering/gluon_backward.py decides when it runs and launches it; everything else
 lowering/triton_kernels.py's _bwd_dkdv_kernel and _bwd_dq_kernel. Written for Triton 3.6's Gluon
 on sm_90, beside the forward (lowering/gluon_kernels.py), whose row addressing it shares.
 
-One CTA owns 128 keys of one selected set (64 for each of two consumers) and walks the set's
+One CTA at a time owns 128 keys of one selected set (64 for each of two consumers) and walks the set's
 query tiles (BLOCK_M = 64 rows) for every query head of its kv head that selects the set:
 
 - a producer partition loads the CTA's keys and values once (and the keys again as two column
@@ -37,26 +37,28 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                               tma, warpgroup_mma, warpgroup_mma_wait)
 
-from .gluon_kernels import (CONSUMERS, _boxes, _gather_rows, _hashed, _keep, _key_positions, _mix32,
-                            _mma_layout, _scheduled, _tma_rows)
+from .gluon_kernels import (CONSUMERS, _boxes, _gather_rows, _hashed, _item_index, _keep,
+                            _key_positions, _mix32, _mma_layout, _tma_rows, _work)
 
 KEYS = gl.constexpr(64)  # keys a consumer owns; a CTA owns CONSUMERS * KEYS
 
 
 @gluon.jit
 def _tma_producer(q_desc, k_desc, kd_desc, v_desc, do_desc, Pos, q_smem, k_smem, kd_smem, v_smem,
-                  do_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, k_row, k_col, v_row,
+                  do_smem, kv_bar, kv_empty, q_ready, q_empty, do_ready, do_empty, k_row, k_col, v_row,
                   v_col, q_row, q_col, q_step_row, q_step_col, do_row, do_col, do_step_row,
-                  do_step_col, KCO, VCO, QCO, OCO, pos_set, key_first, t0, n_q, n_heads,
-                  R: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+                  do_step_col, KCO, VCO, QCO, OCO, pos_set, key_first, t0, n_q, n_heads, it0,
+                  item, R: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
                   STAGES: gl.constexpr, RUN: gl.constexpr):
     """One warp, TMA (a box a tile for strided sets, a box a run for sets made of runs:
     lowering/gluon_kernels._tma_rows): the CTA's keys and values, then q and dout tiles
     t0 ... n_q - 1 of each of n_heads heads (the next head's rows and columns step by
-    q_step_row, q_step_col) into their rings."""
+    q_step_row, q_step_col) into their rings. The keys and values wait for the consumers to be
+    done with the item before (kv_empty); the rings run on from it0 (tiles before this item)."""
     kv_bytes: gl.constexpr = _boxes(KEYS, RUN) * (k_desc.block_type.nbytes
                                                   + v_desc.block_type.nbytes)
     kd_bytes: gl.constexpr = _boxes(CONSUMERS * KEYS, RUN) * kd_desc.block_type.nbytes
+    mbarrier.wait(kv_empty, (item & 1) ^ 1)
     mbarrier.expect(kv_bar, CONSUMERS * (kv_bytes + kd_bytes))
     for i in gl.static_range(CONSUMERS):
         _tma_rows(k_desc, k_smem.index(i), kv_bar, Pos, pos_set, key_first + i * KEYS, k_row,
@@ -65,7 +67,7 @@ def _tma_producer(q_desc, k_desc, kd_desc, v_desc, do_desc, Pos, q_smem, k_smem,
                   v_col, VCO, R, KEYS, RUN)
         _tma_rows(kd_desc, kd_smem.index(i), kv_bar, Pos, pos_set, key_first, k_row,
                   k_col + i * (HEAD_D // 2), KCO, R, CONSUMERS * KEYS, RUN)
-    it = 0
+    it = it0
     for hi in range(n_heads):
         for t in range(t0, n_q):
             slot = it % STAGES
@@ -87,13 +89,15 @@ def _tma_producer(q_desc, k_desc, kd_desc, v_desc, do_desc, Pos, q_smem, k_smem,
 
 
 @gluon.jit
-def _gather_producer(Q, K, V, DO, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar, q_ready,
-                     q_empty, do_ready, do_empty, k_base, v_base, q_base, q_step, do_base, do_step,
-                     k_sn, v_sn, q_sn, do_sn, pos_set, key_first, t0, n_q, n_heads,
+def _gather_producer(Q, K, V, DO, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar, kv_empty,
+                     q_ready, q_empty, do_ready, do_empty, k_base, v_base, q_base, q_step, do_base,
+                     do_step, k_sn, v_sn, q_sn, do_sn, pos_set, key_first, t0, n_q, n_heads, it0,
+                     item,
                      BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                      PW: gl.constexpr):
     """PW warps, cp.async through the plan's positions: the same rings as _tma_producer; every
     thread arrives on a `ready` barrier once its own copies have landed."""
+    mbarrier.wait(kv_empty, (item & 1) ^ 1)
     for i in gl.static_range(CONSUMERS):
         _gather_rows(k_smem.index(i), K + k_base, Pos, pos_set + key_first + i * KEYS, k_sn, KEYS,
                      HEAD_D, PW)
@@ -102,7 +106,7 @@ def _gather_producer(Q, K, V, DO, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
         _gather_rows(kd_smem.index(i), K + k_base + i * (HEAD_D // 2), Pos, pos_set + key_first,
                      k_sn, CONSUMERS * KEYS, HEAD_D // 2, PW)
     async_copy.mbarrier_arrive(kv_bar, increment_count=False)
-    it = 0
+    it = it0
     for hi in range(n_heads):
         for t in range(t0, n_q):
             slot = it % STAGES
@@ -121,35 +125,84 @@ def _gather_producer(Q, K, V, DO, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
 
 
 @gluon.jit
+def _bwd_item(i, tiles, segments, thirds, HKV, GROUP, NUM_CLASSES, R, W, Cnt, stride_co,
+              stride_cs, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, PARTIAL: gl.constexpr,
+              ONE_HEAD: gl.constexpr, CHUNK: gl.constexpr, THIRD_FIRST: gl.constexpr):
+    """(b, g, h, offset, segment, first key, members, first query tile, query tiles, heads) of
+    work item i: keys key_first + [0, 128) of one set of kv head g, for the query heads h,
+    h + R, ... of its group that share the set (n_heads of them). Under CAUSAL a key tile's
+    query tiles start at its diagonal. PARTIAL: the set has Cnt[offset, segment] members; an
+    item past them has no query tile (n_q = 0)."""
+    key_tile, seg, pid = _work(i, tiles, segments, thirds, CAUSAL, CHUNK, THIRD_FIRST)
+    cls = pid % NUM_CLASSES
+    bg = pid // NUM_CLASSES
+    b = bg // HKV
+    g = bg % HKV
+    h = g * GROUP + cls  # the first query head of the item; the others step by R
+    off = h % R
+    n_heads = 1 if ONE_HEAD else (GROUP - cls + R - 1) // R  # ONE_HEAD: GROUP <= R
+    key_first = key_tile * (CONSUMERS * KEYS)
+    if PARTIAL:
+        count = gl.load(Cnt + off * stride_co + seg * stride_cs).to(gl.int32)
+        n_q = ((count + BLOCK_M - 1) // BLOCK_M) * (key_first < count).to(gl.int32)
+    else:
+        count = W // R
+        n_q = count // BLOCK_M
+    t0 = 0
+    if CAUSAL:  # query tiles from the key tile's diagonal on
+        t0 = key_first // BLOCK_M
+    return b, g, h, off, seg, key_first, count, t0, n_q, n_heads
+
+
+@gluon.jit
 def _load_partition(Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar,
-                    q_ready, q_empty, do_ready, do_empty, b, g, h, off, seg, set_len, pos_set,
-                    key_first, t0, n_q, n_heads, QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD,
+                    kv_empty, q_ready, q_empty, do_ready, do_empty, Table, rounds, items, tiles,
+                    segments, thirds, HKV, GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt,
+                    stride_co, stride_cs, QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD,
                     OA, OB, OC, OD, R: gl.constexpr, BLOCK_M: gl.constexpr,
                     HEAD_D: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr,
-                    RUN: gl.constexpr, PW: gl.constexpr):
-    """The producer partition: the copy path of the CTA's sets, and where their rows start."""
-    if GATHER and RUN == 0:
-        _gather_producer(Qx, Kx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar,
-                         q_ready, q_empty, do_ready, do_empty,
-                         b.to(gl.int64) * KA + g.to(gl.int64) * KB,
-                         b.to(gl.int64) * VA + g.to(gl.int64) * VB,
-                         b.to(gl.int64) * QA + h.to(gl.int64) * QB, R * QB,
-                         b.to(gl.int64) * OA + h.to(gl.int64) * OB, R * OB,
-                         KC, VC, QC, OC, pos_set, key_first, t0, n_q, n_heads, BLOCK_M, HEAD_D,
-                         STAGES, PW)
-    else:
-        if GATHER:  # runs: each box's row and column follow from its first position
-            member = 0
-            o = 0
-        else:  # member m of the set is row member + m, its offset's column
-            member = seg * set_len
-            o = off
-        _tma_producer(Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem, kv_bar,
-                      q_ready, q_empty, do_ready, do_empty, b * KA + g * KB + member,
-                      o * KD + g * KC, b * VA + g * VB + member, o * VD + g * VC,
-                      b * QA + h * QB + member, o * QD + h * QC, R * QB, R * QC,
-                      b * OA + h * OB + member, o * OD + h * OC, R * OB, R * OC, KD, VD, QD, OD,
-                      pos_set, key_first, t0, n_q, n_heads, R, BLOCK_M, HEAD_D, STAGES, RUN)
+                    RUN: gl.constexpr, PW: gl.constexpr, CAUSAL: gl.constexpr,
+                    PARTIAL: gl.constexpr, ONE_HEAD: gl.constexpr, CHUNK: gl.constexpr,
+                    THIRD_FIRST: gl.constexpr, TABLE: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The producer partition: for each of the CTA's work items, the copy path of its set and
+    where its rows start; the rings run on across items (it: q tiles copied so far)."""
+    it = 0
+    item = 0
+    for j in range(rounds if PERSISTENT else 1):
+        i = _item_index(Table, j, items, TABLE)
+        b, g, h, off, seg, key_first, count, t0, n_q, n_heads = _bwd_item(
+            gl.maximum(i, 0), tiles, segments, thirds, HKV, GROUP, NUM_CLASSES, R, W, Cnt,
+            stride_co, stride_cs, BLOCK_M, CAUSAL, PARTIAL, ONE_HEAD, CHUNK, THIRD_FIRST)
+        if (i >= 0) & (n_q > t0):
+            if GATHER:
+                pos_set = off * stride_po + seg * stride_ps
+            else:
+                pos_set = 0
+            if GATHER and RUN == 0:
+                _gather_producer(Qx, Kx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
+                                 kv_bar, kv_empty, q_ready, q_empty, do_ready, do_empty,
+                                 b.to(gl.int64) * KA + g.to(gl.int64) * KB,
+                                 b.to(gl.int64) * VA + g.to(gl.int64) * VB,
+                                 b.to(gl.int64) * QA + h.to(gl.int64) * QB, R * QB,
+                                 b.to(gl.int64) * OA + h.to(gl.int64) * OB, R * OB,
+                                 KC, VC, QC, OC, pos_set, key_first, t0, n_q, n_heads, it, item,
+                                 BLOCK_M, HEAD_D, STAGES, PW)
+            else:
+                if GATHER:  # runs: each box's row and column follow from its first position
+                    member = 0
+                    o = 0
+                else:  # member m of the set is row member + m, its offset's column
+                    member = seg * (W // R)
+                    o = off
+                _tma_producer(Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
+                              kv_bar, kv_empty, q_ready, q_empty, do_ready, do_empty,
+                              b * KA + g * KB + member, o * KD + g * KC, b * VA + g * VB + member,
+                              o * VD + g * VC, b * QA + h * QB + member, o * QD + h * QC, R * QB,
+                              R * QC, b * OA + h * OB + member, o * OD + h * OC, R * OB, R * OC,
+                              KD, VD, QD, OD, pos_set, key_first, t0, n_q, n_heads, it, item, R,
+                              BLOCK_M, HEAD_D, STAGES, RUN)
+            it += n_heads * (n_q - t0)
+            item += 1
 
 
 @gluon.jit
@@ -198,19 +251,21 @@ def _add_rows(acc, Buf, Final, Seen, seen_idx, krow, cols, final_sn, valid,
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty,
-              do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
-              qk_scale, sm_scale, q_head_row, q_head_step, kv_head_row, dko_base, dko_sn,
-              dvo_base, dvo_sn, seen_row, set_row, pos_set, key_first, t0, n_q, n_heads, count,
-              Mask, MH, MQ, MK, Seed, Rows, b, h, keep_threshold, drop_scale,
-              R: gl.constexpr, CID: gl.constexpr,
+def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_empty, q_ready,
+                  q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta,
+                  Pos, qk_scale, sm_scale, q_head_row, q_head_step, kv_head_row, dko_base,
+                  dko_sn, dvo_base, dvo_sn, seen_row, set_row, pos_set, key_first, t0, n_q,
+                  n_heads, count, Mask, MH, MQ, MK, Seed, Rows, b, h, keep_threshold, drop_scale,
+                  it0, item, R: gl.constexpr, CID: gl.constexpr,
               NW: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
               STAGES: gl.constexpr, GATHER: gl.constexpr, CAUSAL: gl.constexpr,
               FIRST: gl.constexpr, LAST: gl.constexpr, CP_ASYNC: gl.constexpr,
               PARTIAL: gl.constexpr, MASK_KIND: gl.constexpr, DROPOUT: gl.constexpr,
               ROWS: gl.constexpr):
-    """Keys key_first + CID * KEYS + [0, KEYS) of the set, over query tiles t0 ... n_q - 1 of
-    n_heads heads. Flat rows (of a query head in Lse2, Delta, DQ; of the kv head in DK, DV):
+    """Keys key_first + CID * KEYS + [0, KEYS) of a work item's set, over query tiles t0 ...
+    n_q - 1 of n_heads heads; it0: query tiles the rings held before this item, item: items
+    before it (kv_bar's phase; kv_empty frees the keys and values once their last product is
+    done, before the epilogue). Flat rows (of a query head in Lse2, Delta, DQ; of the kv head in DK, DV):
     member m of the set is set_row + m * R past the head's first row, or Pos[pos_set + m]
     (GATHER). Offsets within a head are int32 (gluon_backward checks N * D < 2**31). CP_ASYNC:
     the rings were written by cp.async, which wgmma reads only after a proxy fence. PARTIAL:
@@ -279,8 +334,8 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
         else:
             lse = gl.load(Lse2 + q_head_row + set_row + t0 * (BLOCK_M * R) + q_offs)
             dl = gl.load(Delta + q_head_row + set_row + t0 * (BLOCK_M * R) + q_offs)
-    mbarrier.wait(kv_bar, 0)
-    it = 0
+    mbarrier.wait(kv_bar, item & 1)
+    it = it0
     for hi in range(n_heads):
         head_row = q_head_row + hi * q_head_step
         if MASK_KIND != 0:
@@ -383,6 +438,7 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
                 if GATHER:
                     pos_n = pos_nn
             it += 1
+    mbarrier.arrive(kv_empty, count=1)  # the next item's keys and values may load
     rows_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
     members = key_first + CID * KEYS + gl.arange(0, KEYS, layout=rows_l)
     krow = _key_positions(Pos, pos_set, set_row, members, R, GATHER)
@@ -399,23 +455,73 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready
 
 
 @gluon.jit
+def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_empty, q_ready,
+              q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
+              qk_scale, sm_scale, Table, rounds, items, tiles, segments, thirds, H, HKV, N,
+              GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt, stride_co, stride_cs, DKOB,
+              DKOH, DKON, DVOB, DVOH, DVON, Mask, MB, MH, MQ, MK, Seed, Rows, keep_threshold,
+              drop_scale, R: gl.constexpr, CID: gl.constexpr, NW: gl.constexpr,
+              BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+              GATHER: gl.constexpr, CAUSAL: gl.constexpr, FIRST: gl.constexpr,
+              LAST: gl.constexpr, CP_ASYNC: gl.constexpr, PARTIAL: gl.constexpr,
+              MASK_KIND: gl.constexpr, DROPOUT: gl.constexpr, ROWS: gl.constexpr,
+              ONE_HEAD: gl.constexpr, CHUNK: gl.constexpr, TABLE: gl.constexpr,
+              PERSISTENT: gl.constexpr):
+    """Consumer CID over the CTA's work items (_bwd_item), in the producer's order: where each
+    item's rows lie, then _consume_item."""
+    it = 0
+    item = 0
+    for j in range(rounds if PERSISTENT else 1):
+        i = _item_index(Table, j, items, TABLE)
+        b, g, h, off, seg, key_first, count, t0, n_q, n_heads = _bwd_item(
+            gl.maximum(i, 0), tiles, segments, thirds, HKV, GROUP, NUM_CLASSES, R, W, Cnt,
+            stride_co, stride_cs, BLOCK_M, CAUSAL, PARTIAL, ONE_HEAD, CHUNK, MASK_KIND != 0)
+        if (i >= 0) & (n_q > t0):
+            if GATHER:
+                pos_set = off * stride_po + seg * stride_ps
+            else:
+                pos_set = 0
+            _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_empty,
+                          q_ready, q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO,
+                          Seen, Lse2, Delta, Pos, qk_scale, sm_scale,
+                          (b * H + h).to(gl.int64) * N, R * N, (b * HKV + g).to(gl.int64) * N,
+                          b.to(gl.int64) * DKOB + g.to(gl.int64) * DKOH, DKON,
+                          b.to(gl.int64) * DVOB + g.to(gl.int64) * DVOH, DVON, g * N,
+                          seg * W + off, pos_set, key_first, t0, n_q, n_heads, count,
+                          Mask + b.to(gl.int64) * MB, MH, MQ, MK, Seed, Rows, b, h,
+                          keep_threshold, drop_scale, it, item, R, CID, NW, BLOCK_M, HEAD_D,
+                          STAGES, GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL, MASK_KIND,
+                          DROPOUT, ROWS)
+            it += n_heads * (n_q - t0)
+            item += 1
+
+
+@gluon.jit
 def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos, qk_scale,
                 sm_scale, H, HKV, N, GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt, stride_co,
                 stride_cs,
                 QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, OA, OB, OC, OD,
                 DKOB, DKOH, DKON, DVOB, DVOH, DVON,
                 Mask, MB, MH, MQ, MK, Seed, Rows, keep_threshold, drop_scale,
+                TILES, SEGMENTS, THIRDS, Table, ROUNDS,
                 R: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
                 STAGES: gl.constexpr, GATHER: gl.constexpr, CAUSAL: gl.constexpr,
                 FIRST: gl.constexpr, LAST: gl.constexpr, ONE_HEAD: gl.constexpr,
                 RUN: gl.constexpr, PARTIAL: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 CHUNK: gl.constexpr, num_warps: gl.constexpr, MASK_KIND: gl.constexpr = 0,
-                DROPOUT: gl.constexpr = False, ROWS: gl.constexpr = False):
-    """Grid (set length / 128, segments, B * HKV * NUM_CLASSES): the key tile runs fastest;
-    under CAUSAL the first key tiles (the longest: they meet every query tile after them) run
-    first, the sets in chunks of CHUNK (lowering/gluon_kernels.py's `_scheduled`).
-    Program (tile, j, (b, g, cls)) owns keys tile * 128 + [0, 128) of set j of kv head g with
+                DROPOUT: gl.constexpr = False, ROWS: gl.constexpr = False,
+                TABLE: gl.constexpr = False, PERSISTENT: gl.constexpr = True):
+    """Persistent, as the forward (lowering/gluon_kernels.py's _fwd_kernel): a 1-D grid of
+    CTAs taking ROUNDS work items each (_item_index), item i being (key tile, j, (b, g, cls)) of
+    `_work`'s order over the grid (set length / 128, segments, B * HKV * NUM_CLASSES): the key
+    tile runs fastest; under CAUSAL the first key tiles (the longest: they meet every query tile
+    after them) come first, the sets in chunks of CHUNK. The producer loads the next item's keys
+    and values once the consumers' last products with the item before are done, while they add
+    its dK, dV rows (the epilogue, whose loads and stores left the tensor cores idle when each
+    item had its CTA). Not PERSISTENT: one item a CTA (a grid of them all), the loop compiled
+    away.
+    Item (tile, j, (b, g, cls)) owns keys tile * 128 + [0, 128) of set j of kv head g with
     offset o = (g * GROUP + cls) % R, for query heads g * GROUP + cls + i * R of the group.
 
     Strided sets (not GATHER): Qx, Kx, KDx, Vx, DOx are TMA descriptors of the forward's 2-D
@@ -426,35 +532,10 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     with boxes of RUN rows. Lse2, Delta, DQ are contiguous over [B, H, N], DK, DV over
     [B, HKV, N] (DKO, DVO, the gradients in k's and v's layouts: element (b, g, n, 0) of DKO at
     b * DKOB + g * DKOH + n * DKON, DVO's likewise), Seen over [HKV, N]. PARTIAL (GATHER,
-    RUN == 0): set j of offset o has Cnt[o, j] members (a packed row's plan); programs past it
-    end at once. MASK_KIND, DROPOUT, ROWS and their arguments: as the forward's
+    RUN == 0): set j of offset o has Cnt[o, j] members (a packed row's plan); items past it
+    are skipped. MASK_KIND, DROPOUT, ROWS and their arguments: as the forward's
     (lowering/gluon_kernels.py's _fwd_kernel)."""
-    key_tile, seg, pid = _scheduled(CAUSAL, CHUNK, MASK_KIND != 0)
-    cls = pid % NUM_CLASSES
-    bg = pid // NUM_CLASSES
-    b = bg // HKV
-    g = bg % HKV
-    h = g * GROUP + cls  # the first query head of the program; the others step by R
-    off = h % R
-    n_heads = 1 if ONE_HEAD else (GROUP - cls + R - 1) // R  # ONE_HEAD: GROUP <= R
-    set_len = W // R
-    key_first = key_tile * (CONSUMERS * KEYS)
-    if PARTIAL:
-        count = gl.load(Cnt + off * stride_co + seg * stride_cs).to(gl.int32)
-        if key_first >= count:  # a program with no key of its partial set
-            return
-        n_q = (count + BLOCK_M - 1) // BLOCK_M
-    else:
-        count = set_len
-        n_q = set_len // BLOCK_M
-    t0 = 0
-    if CAUSAL:  # query tiles from the key tile's diagonal on
-        t0 = key_first // BLOCK_M
-    q_head_row = (b * H + h).to(gl.int64) * N
-    kv_head_row = bg.to(gl.int64) * N
-    dko_base = b.to(gl.int64) * DKOB + g.to(gl.int64) * DKOH
-    dvo_base = b.to(gl.int64) * DVOB + g.to(gl.int64) * DVOH
-    set_row = seg * W + off
+    items = TILES * SEGMENTS * THIRDS
     # the producer copies by cp.async (Qx a tensor; each of its threads arrives) or by TMA
     CP_ASYNC: gl.constexpr = GATHER and RUN == 0
     dtype: gl.constexpr = Qx.dtype.element_ty if CP_ASYNC else Qx.dtype
@@ -464,12 +545,10 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
         k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HEAD_D], dtype)
         kd_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CONSUMERS * KEYS, HEAD_D // 2],
                                                                    dtype)
-        pos_set = off * stride_po + seg * stride_ps
     else:
         q_sl: gl.constexpr = Qx.layout
         k_sl: gl.constexpr = Kx.layout
         kd_sl: gl.constexpr = KDx.layout
-        pos_set = 0
     ds_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CONSUMERS * KEYS, BLOCK_M], dtype)
 
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_sl)
@@ -479,12 +558,14 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     kd_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, CONSUMERS * KEYS, HEAD_D // 2], kd_sl)
     ds_smem = gl.allocate_shared_memory(dtype, [2, CONSUMERS * KEYS, BLOCK_M], ds_sl)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=arrivals)
+    mbarrier.init(kv_empty, count=CONSUMERS)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=arrivals)
         mbarrier.init(do_ready.index(i), count=arrivals)
@@ -496,23 +577,27 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
 
     # Triton 3.6: the argument tuples must be written inline (lowering/gluon_kernels.py)
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty,
-                     do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
-                     qk_scale, sm_scale, q_head_row, R * N, kv_head_row, dko_base, DKON,
-                     dvo_base, DVON, g * N, set_row, pos_set, key_first, t0, n_q, n_heads, count,
-                     Mask + b.to(gl.int64) * MB, MH, MQ, MK, Seed, Rows, b, h, keep_threshold,
-                     drop_scale, R, 0, num_warps, BLOCK_M, HEAD_D, STAGES,
-                     GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL, MASK_KIND, DROPOUT, ROWS)),
-        (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty,
-                     do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
-                     qk_scale, sm_scale, q_head_row, R * N, kv_head_row, dko_base, DKON,
-                     dvo_base, DVON, g * N, set_row, pos_set, key_first, t0, n_q, n_heads, count,
-                     Mask + b.to(gl.int64) * MB, MH, MQ, MK, Seed, Rows, b, h, keep_threshold,
-                     drop_scale, R, 1, num_warps, BLOCK_M, HEAD_D, STAGES,
-                     GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL, MASK_KIND, DROPOUT, ROWS)),
+        (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_empty,
+                     q_ready, q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen,
+                     Lse2, Delta, Pos, qk_scale, sm_scale, Table, ROUNDS, items, TILES, SEGMENTS,
+                     THIRDS, H, HKV, N, GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt,
+                     stride_co, stride_cs, DKOB, DKOH, DKON, DVOB, DVOH, DVON, Mask, MB, MH, MQ,
+                     MK, Seed, Rows, keep_threshold, drop_scale, R, 0, num_warps, BLOCK_M, HEAD_D,
+                     STAGES, GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL, MASK_KIND, DROPOUT,
+                     ROWS, ONE_HEAD, CHUNK, TABLE, PERSISTENT)),
+        (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_empty,
+                     q_ready, q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen,
+                     Lse2, Delta, Pos, qk_scale, sm_scale, Table, ROUNDS, items, TILES, SEGMENTS,
+                     THIRDS, H, HKV, N, GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt,
+                     stride_co, stride_cs, DKOB, DKOH, DKON, DVOB, DVOH, DVON, Mask, MB, MH, MQ,
+                     MK, Seed, Rows, keep_threshold, drop_scale, R, 1, num_warps, BLOCK_M, HEAD_D,
+                     STAGES, GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL, MASK_KIND, DROPOUT,
+                     ROWS, ONE_HEAD, CHUNK, TABLE, PERSISTENT)),
         (_load_partition, (Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
-                           kv_bar, q_ready, q_empty, do_ready, do_empty, b, g, h, off, seg,
-                           set_len, pos_set, key_first, t0, n_q, n_heads, QA, QB, QC, QD, KA, KB,
-                           KC, KD, VA, VB, VC, VD, OA, OB, OC, OD, R, BLOCK_M, HEAD_D, STAGES,
-                           GATHER, RUN, PRODUCER_WARPS)),
+                           kv_bar, kv_empty, q_ready, q_empty, do_ready, do_empty, Table, ROUNDS,
+                           items, TILES, SEGMENTS, THIRDS, HKV, GROUP, NUM_CLASSES, W, stride_po,
+                           stride_ps, Cnt, stride_co, stride_cs, QA, QB, QC, QD, KA, KB, KC, KD,
+                           VA, VB, VC, VD, OA, OB, OC, OD, R, BLOCK_M, HEAD_D, STAGES, GATHER, RUN,
+                           PRODUCER_WARPS, CAUSAL, PARTIAL, ONE_HEAD, CHUNK, MASK_KIND != 0,
+                           TABLE, PERSISTENT)),
     ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

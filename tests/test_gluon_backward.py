@@ -251,7 +251,7 @@ def test_run_boxes_hold_exactly_the_runs_rows(layout):
 
 
 def test_causal_launches_schedule_sets_in_chunks_that_divide_them():
-    """gluon_kernels._scheduled reads the grid as chunks of chunk_sets(...) sets, a constant
+    """gluon_kernels._work reads the grid as chunks of chunk_sets(...) sets, a constant
     divisor: it must divide the number of sets (segments * third grid dimension), be a power of
     two up to CHUNK_SETS, and be 1 where tiles are alike (not causal)."""
     gf = gluon_forward
@@ -263,3 +263,31 @@ def test_causal_launches_schedule_sets_in_chunks_that_divide_them():
         assert gf.chunk_sets((tiles, segments, third), False) == 1
     assert gf.chunk_sets((16, 16, 16), True) == 16 and gf.chunk_sets((4, 3, 3), True) == 1
     assert gf.chunk_sets((8, 2, 6), True) == 4
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_runs_persistent_at_d64_only(d):
+    """The backward's launch: at D = 64 a persistent grid of one CTA an SM with the causal
+    schedule's table (gluon_forward.persistent_schedule, whose items are its key tiles); at
+    D = 128 one CTA a work item (the persistent loop ran slower there)."""
+    n, w, r = 32768, 4096, 2
+    q = torch.randn(1, 4, n, d, dtype=torch.bfloat16)
+    k, v = torch.randn(1, 2, n, d, dtype=torch.bfloat16), torch.randn(1, 2, n, d, dtype=torch.bfloat16)
+    plan = branch_plan(n, w, r, False)
+    pos = gluon_backward.plan_tensors(plan, "cpu")[0]
+    lse = torch.empty(q.shape[:3])
+    _, grid, args, kwargs = gluon_backward.prepare(
+        q, k, v, q.clone(), plan, pos, is_causal=True, scale=0.1, first=True, last=False,
+        refs=(q, k, v, q.clone(), torch.zeros(q.shape), torch.empty(k.shape), torch.empty(v.shape),
+              k.clone(), v.clone(), torch.zeros(2, n, dtype=torch.uint8), lse.clone(), lse.clone()))
+    # items: 16 key tiles of 128 in each of 8 segments, for 2 kv heads of 2 offset classes
+    items = 16 * 8 * 2 * 2
+    table, rounds = args[-2], args[-1]
+    assert tuple(args[-5:-2]) == (16, 8, 4)
+    if d == 64:
+        assert kwargs["PERSISTENT"] and kwargs["TABLE"] and grid == (132, )
+        assert sorted(table[table >= 0].tolist()) == list(range(items))
+        assert rounds == table.shape[0]
+    else:
+        assert not kwargs["PERSISTENT"] and not kwargs["TABLE"] and grid == (items, )
+        assert rounds == 1
