@@ -4,10 +4,12 @@ lowering/gluon_backward.py decides when it runs and launches it; everything else
 lowering/triton_kernels.py's _bwd_dkdv_kernel and _bwd_dq_kernel. Written for Triton 3.6's Gluon
 on sm_90, beside the forward (lowering/gluon_kernels.py), whose row addressing it shares.
 
-One CTA at a time owns 128 keys of one selected set (64 for each of two consumers) and walks the set's
-query tiles (BLOCK_M = 64 rows) for every query head of its kv head that selects the set:
+A work item is 128 keys of one selected set (64 for each of two consumers), whose CTA walks the
+set's query tiles (BLOCK_M = 64 rows) for every query head of its kv head that selects the set.
+At D = 64 the kernel is persistent (one CTA an SM takes items in turn: _bwd_kernel says in which
+order), at D = 128 each item has its CTA:
 
-- a producer partition loads the CTA's keys and values once (and the keys again as two column
+- a producer partition loads an item's keys and values once (and the keys again as two column
   halves [128, D/2], dQ's right-hand operand), then q and dout tiles into rings of STAGES slots
   guarded by `ready` / `empty` mbarriers: TMA boxes of the forward's 2-D views for strided sets
   (a box a tile) and for the Hilbert order's sets made of stride-r runs (a box a run, RUN),

@@ -3,11 +3,12 @@
 lowering/gluon_forward.py decides when it runs and launches it; everything else runs
 lowering/triton_kernels.py. Written for Triton 3.6's Gluon (triton.experimental.gluon) on sm_90.
 
-One CTA covers 128 query rows of one selected set (two tiles of 64, one per consumer):
+A CTA works through items of 128 query rows of one selected set (two tiles of 64, one per
+consumer), persistent: one CTA an SM, taking items in turn (_fwd_kernel says in which order):
 
-- a producer partition copies the CTA's q rows once, then the key and value tiles of the set
-  into rings of STAGES shared-memory slots, each slot guarded by a `ready` and an `empty`
-  mbarrier;
+- a producer partition copies an item's q rows (once the consumers are done with the item
+  before's), then the key and value tiles of its set into rings of STAGES shared-memory slots,
+  each slot guarded by a `ready` and an `empty` mbarrier, the rings running on across items;
 - two consumer partitions of one warpgroup each run the online softmax over the set for their
   64 rows: S = q k^T and O += P v by asynchronous wgmma (P from registers), with the product
   S(t) = q k(t)^T and O += P(t-1) v(t-1) in flight together while the softmax of tile t waits
