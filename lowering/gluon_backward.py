@@ -136,7 +136,7 @@ def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, fi
     chunk = gluon_forward.chunk_sets(work, is_causal)
     persistent = d <= PERSISTENT_HEAD_D
     grid, table, rounds = gluon_forward.persistent_schedule(
-        work, is_causal=is_causal, partial=partial or not persistent, chunk=chunk,
+        work, is_causal=is_causal, one_each=partial or not persistent, chunk=chunk,
         third_first=user_kinds["MASK_KIND"] != 0,
         ctas=gluon_forward.resident_ctas(q.device), device=q.device)
     args += [*user_args, *work, buffers[-2] if table is None else table, rounds]

@@ -405,7 +405,7 @@ def prepare(q, k, v, plan, positions, *, is_causal: bool, scale: float, first: b
     user_args, user_kinds = user or user_arguments(lse, None, None, None, 0, 1.0)
     chunk = chunk_sets(work, is_causal)
     grid, table, rounds = persistent_schedule(
-        work, is_causal=is_causal, partial=partial, chunk=chunk,
+        work, is_causal=is_causal, one_each=partial, chunk=chunk,
         third_first=user_kinds["MASK_KIND"] != 0, ctas=resident_ctas(q.device), device=q.device)
     args += [*user_args, *work, lse if table is None else table, rounds]
     kwargs = dict(FIRST=first, LAST=last, CAUSAL=bool(is_causal), HEAD_D=d, PARTIAL=partial,
@@ -415,30 +415,34 @@ def prepare(q, k, v, plan, positions, *, is_causal: bool, scale: float, first: b
 
 # per-item overhead of the causal schedule's cost model, in key tiles (start and end of an item)
 ITEM_OVERHEAD_TILES = 1.5
-_schedules = {}
+_schedules = {}  # (work, chunk, order, ctas, device) -> schedule; at most _SCHEDULES entries
+_SCHEDULES = 256
 
 
-def persistent_schedule(work, *, is_causal: bool, partial: bool, chunk: int, third_first: bool,
+def persistent_schedule(work, *, is_causal: bool, one_each: bool, chunk: int, third_first: bool,
                         ctas: int, device) -> tuple:
-    """(grid, table, rounds) of the persistent forward over `work` = (tiles, segments, thirds)
-    items in `_work`'s order, on `ctas` CTAs (one an SM):
+    """(grid, table, rounds) of a persistent Hopper kernel (the forward; the backward at D = 64)
+    over `work` = (tiles, segments, thirds) items in `_work`'s order, on `ctas` CTAs (one an SM):
     - items alike in work (not causal, whole sets): CTA p takes items p, p + ctas, ...;
-    - causal: items differ (rank k of a set meets tiles - k key tiles), and that static share
-      left SMs idle at the end (D = 128, 16K: 0.79 against 0.66 ms one CTA an item); the table
-      hands them out as the hardware would, each to the CTA that frees first, by the cost model
-      key tiles + ITEM_OVERHEAD_TILES (list scheduling in the items' order, which keeps the
-      chunks' sets together in L2; third_first: a masked launch's order). Made once per
-      (work, chunk, order, ctas).
-    - partial sets: an item's work depends on counts the host does not read, so each item has
-      its CTA (grid = items, rounds 1) and the hardware schedules them."""
+    - causal: items differ (rank k of a set meets tiles - k key tiles, or twice as many query
+      tiles in the backward), and that static share left SMs idle at the end (D = 128, 16K:
+      0.79 against 0.66 ms one CTA an item); the table hands them out as the hardware would,
+      each to the CTA that frees first, by the cost model tiles - rank + ITEM_OVERHEAD_TILES
+      (list scheduling in the items' order, which keeps the chunks' sets together in L2;
+      third_first: a masked launch's order). Made once per (work, chunk, order, ctas).
+    - one_each (partial sets, whose items' work depends on counts the host does not read; the
+      backward at D = 128): each item has its CTA (grid = items, rounds 1), and the hardware
+      hands them out as SMs free up."""
     tiles, segments, thirds = work
     items = tiles * segments * thirds
-    if partial or items <= ctas:
+    if one_each or items <= ctas:
         return (items, ), None, 1
     if not is_causal:
         return (ctas, ), None, -(-items // ctas)
     key = (work, chunk, third_first, ctas, device)
     if key not in _schedules:
+        if len(_schedules) >= _SCHEDULES:  # programs keep the tables they launch with
+            _schedules.clear()
         import heapq
         free = [(0.0, cta) for cta in range(ctas)]
         lists = [[] for _ in range(ctas)]
@@ -456,12 +460,12 @@ def persistent_schedule(work, *, is_causal: bool, partial: bool, chunk: int, thi
     return _schedules[key]
 
 
-# CTAs of the persistent forward: one per SM (its registers allow no second), read once a device
+# CTAs of the persistent kernels: one per SM (their registers allow no second), read once a device
 _resident = {}
 
 
 def resident_ctas(device: torch.device) -> int:
-    """The persistent forward's grid: the device's SM count (132 on an H100 SXM, which a CPU
+    """The persistent kernels' grid: the device's SM count (132 on an H100 SXM, which a CPU
     tensor, only ever launched by tests' stand-ins, is taken for)."""
     key = (device.type, device.index)
     if key not in _resident:

@@ -147,7 +147,7 @@ def test_persistent_schedule_covers_each_item_once(work):
     items = tiles * segments * thirds
     chunk = gluon_forward.chunk_sets(work, True)
     grid, table, rounds = gluon_forward.persistent_schedule(
-        work, is_causal=True, partial=False, chunk=chunk, third_first=False, ctas=132,
+        work, is_causal=True, one_each=False, chunk=chunk, third_first=False, ctas=132,
         device=torch.device("cpu"))
     if items <= 132:  # one CTA an item
         assert grid == (items, ) and table is None and rounds == 1
@@ -173,10 +173,10 @@ def test_persistent_schedule_covers_each_item_once(work):
 
 def test_persistent_schedule_shares_items_alike_round_robin():
     kw = dict(chunk=1, third_first=False, ctas=132, device=torch.device("cpu"))
-    assert gluon_forward.persistent_schedule((16, 8, 16), is_causal=False, partial=False,
+    assert gluon_forward.persistent_schedule((16, 8, 16), is_causal=False, one_each=False,
                                              **kw) == ((132, ), None, 16)
-    assert gluon_forward.persistent_schedule((16, 1, 4), is_causal=False, partial=False,
+    assert gluon_forward.persistent_schedule((16, 1, 4), is_causal=False, one_each=False,
                                              **kw) == ((64, ), None, 1)
     # partial sets: each item its CTA, whatever their number (their work is read on the GPU)
-    assert gluon_forward.persistent_schedule((16, 8, 16), is_causal=True, partial=True,
+    assert gluon_forward.persistent_schedule((16, 8, 16), is_causal=True, one_each=True,
                                              **kw) == ((2048, ), None, 1)
