@@ -51,13 +51,13 @@ _TILES = {64: dict(BLOCK_M=64, BLOCK_N=BLOCK_N, STAGES=3), 128: dict(BLOCK_M=64,
 # on an H200, git show f7b4958:BENCHMARKS.md)
 _TMA_PRODUCER = dict(PRODUCER_WARPS=1, PRODUCER_REGS=24, CONSUMER_REGS=240, num_warps=4)
 # causal launches run in chunks of up to this many sets, the longest tiles first (gluon_kernels'
-# _scheduled; 1: grid order). In a list-scheduling model of 132 SMs, grid order left the last
+# _work; 1: grid order). In a list-scheduling model of 132 SMs, grid order left the last
 # wave 3% (256 sets a launch) to 26% (32 sets) over the balanced time, chunks of 16 sets 1 to 3%.
 CHUNK_SETS = 16
 
 
 def chunk_sets(grid, is_causal: bool) -> int:
-    """The chunk of `_scheduled` for a launch of `grid` (tiles, segments, third): the largest
+    """The chunk of `_work` for a launch over `grid` (tiles, segments, third): the largest
     power of two up to CHUNK_SETS that divides the number of sets (a constant divisor in the
     kernel); 1 where the tiles are alike (not causal), which reads nothing of it."""
     if not is_causal:
@@ -319,8 +319,8 @@ def _sets_unsupported(q, k, v, plan) -> str | None:
     partial = partial_sets(plan)
     if partial and plan.is_strided:
         return "partial sets in the identity order (N % w != 0): their positions are not gathered"
-    if plan.num_segments > 65535 or q.shape[0] * q.shape[1] > 65535:
-        return "grid too large (segments or batch * heads over 65535)"
+    if set_tiles(plan, CTA_ROWS) * plan.num_segments * q.shape[0] * q.shape[1] >= 2**31:
+        return "2**31 work items or more (tiles * segments * batch * heads: int32 in the kernels)"
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.data_ptr() % 16 or (x.stride(-1) != 1 if partial else _view(x, r) is None):
             return f"{name}'s layout (neither contiguous nor [B, N, H, D] transposed, or unaligned)"

@@ -622,15 +622,6 @@ def _work(linear, tiles, segments, thirds, CAUSAL: gl.constexpr, CHUNK: gl.const
 
 
 @gluon.jit
-def _scheduled(CAUSAL: gl.constexpr, CHUNK: gl.constexpr, THIRD_FIRST: gl.constexpr = False):
-    """(rank, segment, program of the third grid dimension) of this CTA in `_work`'s order."""
-    tiles = gl.num_programs(0)
-    segments = gl.num_programs(1)
-    linear = gl.program_id(0) + tiles * (gl.program_id(1) + segments * gl.program_id(2))
-    return _work(linear, tiles, segments, gl.num_programs(2), CAUSAL, CHUNK, THIRD_FIRST)
-
-
-@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, Out,
               Acc, Lse, Pos, qk_scale, Table, rounds, items, tiles, segments, thirds, H, N, R, W,
               stride_po, stride_ps, Cnt, stride_co, stride_cs, OB, OH, ON, Mask, MB, MH, MQ, MK,

@@ -118,7 +118,7 @@ def _scheduled(CAUSAL: tl.constexpr, CHUNK: tl.constexpr):
     program ids, or, under causal masks, the grid read as chunks of CHUNK sets (CHUNK divides
     programs * segments), the programs of rank 0 of a chunk's sets first: the caller makes rank
     0 its sets' longest tile, so that a launch's last wave holds its shortest
-    (lowering/gluon_kernels.py's `_scheduled`, the same order over that kernel's grid, says
+    (lowering/gluon_kernels.py's `_work`, the same order over that kernel's work items, says
     why)."""
     if CAUSAL:
         tiles = tl.num_programs(0)

@@ -180,3 +180,13 @@ def test_persistent_schedule_shares_items_alike_round_robin():
     # partial sets: each item its CTA, whatever their number (their work is read on the GPU)
     assert gluon_forward.persistent_schedule((16, 8, 16), is_causal=True, one_each=True,
                                              **kw) == ((2048, ), None, 1)
+
+
+def test_persistent_grid_takes_any_number_of_heads_below_2_31_items():
+    """The kernels' grid is 1-D (work items), so batch * heads past 65535, the old limit of a
+    grid dimension, runs them; 2**31 items or more do not (int32 item indices)."""
+    def reason(bh, n):
+        q = torch.empty(bh, 1, n, 64, dtype=torch.bfloat16, device="meta")
+        return gluon_forward._sets_unsupported(q, q, q, branch_plan(n, n, 1, False))
+    assert reason(70000, 256) is None
+    assert "2**31 work items" in reason(2**24, 16384)  # 2**24 * 128 tiles
