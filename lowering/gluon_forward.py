@@ -23,6 +23,10 @@ identity order they run the Triton kernels.
 HILBERT_FX_GLUON=0 turns the Hopper kernels off, HILBERT_FX_GLUON_RUNS=0 the TMA copies of runs
 (both read once: lowering/tuning.py).
 
+The kernels are persistent (one CTA an SM taking work items in turn; the backward at D = 64
+only): `persistent_schedule` gives a launch its grid and, for causal launches, whose items
+differ in work, the order made once on the host in which each CTA takes them.
+
 Whether a plan qualifies is decided from its fields, without reading its counts on the host (a
 synchronisation with the GPU). A qualifying plan's runs (`plan_run`) come from its order's table
 on the host (plans.class_members) when the plan names its order, as the plans of one row and of
