@@ -441,9 +441,12 @@ def persistent_schedule(work, *, is_causal: bool, one_each: bool, chunk: int, th
     items = tiles * segments * thirds
     if one_each or items <= ctas:
         return (items, ), None, 1
-    if not is_causal:
-        return (ctas, ), None, -(-items // ctas)
     key = (work, chunk, third_first, ctas, device)
+    if not is_causal or (key not in _schedules and device.type == "cuda"
+                         and torch.cuda.is_current_stream_capturing()):
+        # under a CUDA graph's capture (a program first built there) the table cannot be copied
+        # to the GPU: the items go round-robin, which balances them less well, nothing more
+        return (ctas, ), None, -(-items // ctas)
     if key not in _schedules:
         if len(_schedules) >= _SCHEDULES:  # programs keep the tables they launch with
             _schedules.clear()

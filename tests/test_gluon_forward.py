@@ -190,3 +190,14 @@ def test_persistent_grid_takes_any_number_of_heads_below_2_31_items():
         return gluon_forward._sets_unsupported(q, q, q, branch_plan(n, n, 1, False))
     assert reason(70000, 256) is None
     assert "2**31 work items" in reason(2**24, 16384)  # 2**24 * 128 tiles
+
+
+def test_persistent_schedule_under_graph_capture_goes_round_robin(monkeypatch):
+    """A causal launch first planned while a CUDA graph is captured cannot copy its table to the
+    GPU there: its items go round-robin (the kernel's other order), and nothing is cached."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(gluon_forward, "_schedules", {})
+    got = gluon_forward.persistent_schedule((16, 8, 16), is_causal=True, one_each=False, chunk=16,
+                                            third_first=False, ctas=132,
+                                            device=torch.device("cuda", 0))
+    assert got == ((132, ), None, 16) and gluon_forward._schedules == {}
