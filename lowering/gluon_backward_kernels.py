@@ -47,8 +47,8 @@ KEYS = gl.constexpr(64)  # keys a consumer owns; a CTA owns CONSUMERS * KEYS
 
 @gluon.jit
 def _tma_producer(q_desc, k_desc, kd_desc, v_desc, do_desc, Pos, q_smem, k_smem, kd_smem, v_smem,
-                  do_smem, kv_bar, kv_empty, q_ready, q_empty, do_ready, do_empty, k_row, k_col, v_row,
-                  v_col, q_row, q_col, q_step_row, q_step_col, do_row, do_col, do_step_row,
+                  do_smem, kv_bar, kv_empty, q_ready, q_empty, do_ready, do_empty, k_row, k_col,
+                  v_row, v_col, q_row, q_col, q_step_row, q_step_col, do_row, do_col, do_step_row,
                   do_step_col, KCO, VCO, QCO, OCO, pos_set, key_first, t0, n_q, n_heads, it0,
                   item, R: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
                   STAGES: gl.constexpr, RUN: gl.constexpr):
@@ -131,10 +131,11 @@ def _bwd_item(i, tiles, segments, thirds, HKV, GROUP, NUM_CLASSES, R, W, Cnt, st
               stride_cs, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, PARTIAL: gl.constexpr,
               ONE_HEAD: gl.constexpr, CHUNK: gl.constexpr, THIRD_FIRST: gl.constexpr):
     """(b, g, h, offset, segment, first key, members, first query tile, query tiles, heads) of
-    work item i: keys key_first + [0, 128) of one set of kv head g, for the query heads h,
-    h + R, ... of its group that share the set (n_heads of them). Under CAUSAL a key tile's
-    query tiles start at its diagonal. PARTIAL: the set has Cnt[offset, segment] members; an
-    item past them has no query tile (n_q = 0)."""
+    work item i: keys key_first +
+    [0, 128) of one set of kv head g, for the query heads h, h + R, ... of its group that share
+    the set (n_heads of them). Under CAUSAL a key tile's query tiles start at its diagonal.
+    PARTIAL: the set has Cnt[offset, segment] members; an item past them has no query tile
+    (n_q = 0)."""
     key_tile, seg, pid = _work(i, tiles, segments, thirds, CAUSAL, CHUNK, THIRD_FIRST)
     cls = pid % NUM_CLASSES
     bg = pid // NUM_CLASSES
@@ -258,18 +259,18 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_
                   Pos, qk_scale, sm_scale, q_head_row, q_head_step, kv_head_row, dko_base,
                   dko_sn, dvo_base, dvo_sn, seen_row, set_row, pos_set, key_first, t0, n_q,
                   n_heads, count, Mask, MH, MQ, MK, Seed, Rows, b, h, keep_threshold, drop_scale,
-                  it0, item, R: gl.constexpr, CID: gl.constexpr,
-              NW: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
-              STAGES: gl.constexpr, GATHER: gl.constexpr, CAUSAL: gl.constexpr,
-              FIRST: gl.constexpr, LAST: gl.constexpr, CP_ASYNC: gl.constexpr,
-              PARTIAL: gl.constexpr, MASK_KIND: gl.constexpr, DROPOUT: gl.constexpr,
-              ROWS: gl.constexpr):
+                  it0, item, R: gl.constexpr, CID: gl.constexpr, NW: gl.constexpr,
+                  BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                  GATHER: gl.constexpr, CAUSAL: gl.constexpr, FIRST: gl.constexpr,
+                  LAST: gl.constexpr, CP_ASYNC: gl.constexpr, PARTIAL: gl.constexpr,
+                  MASK_KIND: gl.constexpr, DROPOUT: gl.constexpr, ROWS: gl.constexpr):
     """Keys key_first + CID * KEYS + [0, KEYS) of a work item's set, over query tiles t0 ...
     n_q - 1 of n_heads heads; it0: query tiles the rings held before this item, item: items
     before it (kv_bar's phase; kv_empty frees the keys and values once their last product is
-    done, before the epilogue). Flat rows (of a query head in Lse2, Delta, DQ; of the kv head in DK, DV):
-    member m of the set is set_row + m * R past the head's first row, or Pos[pos_set + m]
-    (GATHER). Offsets within a head are int32 (gluon_backward checks N * D < 2**31). CP_ASYNC:
+    done, before the epilogue). Flat rows (of a query head in Lse2, Delta, DQ; of the kv head
+    in DK, DV): member m of the set is set_row + m * R past the head's first row, or
+    Pos[pos_set + m] (GATHER). Offsets within a head are int32 (gluon_backward checks
+    N * D < 2**31). CP_ASYNC:
     the rings were written by cp.async, which wgmma reads only after a proxy fence. PARTIAL:
     the set has `count` members; P is 0 for members past it, as queries and as keys, whose
     rows (the plan's padding positions) are neither read back nor written. DKO, DVO: key

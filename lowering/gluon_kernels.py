@@ -236,7 +236,8 @@ def _load_partition(Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, q_empty, k_r
             hk = h // GROUP
             if GATHER and RUN == 0:
                 _gather_producer(Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                                 k_empty, v_ready, v_empty, b.to(gl.int64) * QA + h.to(gl.int64) * QB,
+                                 k_empty, v_ready, v_empty,
+                                 b.to(gl.int64) * QA + h.to(gl.int64) * QB,
                                  b.to(gl.int64) * KA + hk.to(gl.int64) * KB,
                                  b.to(gl.int64) * VA + hk.to(gl.int64) * VB, QC, KC, VC,
                                  off * stride_po + seg * stride_ps, q_first, n_tiles, c, item,
@@ -446,11 +447,11 @@ def _merge_rows(acc, m_i, l_i, old, Out, Acc, Lse, rows, out_rows, valid, drop_s
 def _consume_item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, Out,
                   Acc, Lse, Pos, qk_scale, first_row, out_first, ON, R, pos_q, q_first, n_tiles,
                   count, Mask, MQ, MK, Rows, head_hash, keep_threshold, drop_scale, set_first,
-                  c0, item, CID: gl.constexpr, NW: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_D: gl.constexpr, STAGES: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
-              GATHER: gl.constexpr, CAUSAL: gl.constexpr, CP_ASYNC: gl.constexpr,
-              PARTIAL: gl.constexpr, MASK_KIND: gl.constexpr, DROPOUT: gl.constexpr,
-              ROWS: gl.constexpr):
+                  c0, item, CID: gl.constexpr, NW: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                  FIRST: gl.constexpr, LAST: gl.constexpr, GATHER: gl.constexpr,
+                  CAUSAL: gl.constexpr, CP_ASYNC: gl.constexpr, PARTIAL: gl.constexpr,
+                  MASK_KIND: gl.constexpr, DROPOUT: gl.constexpr, ROWS: gl.constexpr):
     """Rows CID * BLOCK_M ... of a work item's query tile (members q_first + ...), over the key
     tiles [0, n_tiles) of the set; under CAUSAL the last of them holds the diagonal. c0: key
     tiles the rings held before this item; item: items before it (the phase of q_bar and
@@ -752,7 +753,8 @@ def _fwd_kernel(Qx, Kx, Vx, Out, Acc, Lse, Pos, qk_scale,
                      MASK_KIND, DROPOUT, ROWS, CHUNK, TABLE)),
         (_load_partition, (Qx, Kx, Vx, Pos, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                            k_empty, v_ready, v_empty, Table, ROUNDS, items, TILES, SEGMENTS,
-                           THIRDS, H, GROUP, R, W, stride_po, stride_ps, Cnt, stride_co, stride_cs, QA, QB, QC, QD, KA,
-                           KB, KC, KD, VA, VB, VC, VD, BLOCK_M, BLOCK_N, HEAD_D, STAGES, GATHER,
-                           RUN, PRODUCER_WARPS, CAUSAL, PARTIAL, CHUNK, MASK_KIND != 0, TABLE)),
+                           THIRDS, H, GROUP, R, W, stride_po, stride_ps, Cnt, stride_co,
+                           stride_cs, QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, BLOCK_M,
+                           BLOCK_N, HEAD_D, STAGES, GATHER, RUN, PRODUCER_WARPS, CAUSAL, PARTIAL,
+                           CHUNK, MASK_KIND != 0, TABLE)),
     ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

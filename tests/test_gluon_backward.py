@@ -272,7 +272,7 @@ def test_backward_runs_persistent_at_d64_only(d):
     D = 128 one CTA a work item (the persistent loop ran slower there)."""
     n, w, r = 32768, 4096, 2
     q = torch.randn(1, 4, n, d, dtype=torch.bfloat16)
-    k, v = torch.randn(1, 2, n, d, dtype=torch.bfloat16), torch.randn(1, 2, n, d, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, n, d, dtype=torch.bfloat16) for _ in range(2))
     plan = branch_plan(n, w, r, False)
     pos = gluon_backward.plan_tensors(plan, "cpu")[0]
     lse = torch.empty(q.shape[:3])
