@@ -61,6 +61,11 @@ CASES = [
     # N % w != 0 in the Hilbert order: partial last sets, gathered, with a mask and with dropout
     ("hopper bool mask partial", 1, 4, 2, 1000, 64, ((256, 1), (512, 2)), True, False, "bool"),
     ("hopper dropout partial", 2, 4, 4, 1000, 128, ((256, 1), (512, 4)), True, True, "dropout"),
+    # more work items than an H100's or H200's SMs (branch (256, 1): 2 tiles * 4 segments * 32
+    # batch-heads = 256): the persistent loops, round-robin, and under causal masks the host's
+    # table (the backward persistent at D = 64 too)
+    ("hopper persistent", 4, 8, 8, 1024, 128, ((256, 1), (1024, 4)), True, False, None),
+    ("hopper persistent causal", 4, 8, 8, 1024, 64, ((256, 1), (512, 2)), False, True, None),
 ]
 
 
