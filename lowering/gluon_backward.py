@@ -20,6 +20,11 @@ from .triton_plans import plan_tensors
 LOG2E = 1.4426950408889634
 CTA_KEYS = 128  # two consumers of 64 keys
 PERSISTENT_HEAD_D = 64  # head dims up to this run the persistent backward
+# from this head dim on, dK += dS^T q reads dS^T from the shared tile that dq's product reads,
+# not from registers: at D = 128 the backward ran 3 to 4% faster (fewer registers held across
+# the products, 28 against 116 bytes spilled in the strided configuration), at D = 64 3% slower
+# (H200, BENCHMARKS.md)
+DS_SHARED_HEAD_D = 128
 _TILES = dict(BLOCK_M=64, STAGES=2)
 # producer: one warp issuing TMA copies, or two issuing cp.async ones; with 40 registers for the
 # cp.async producer (232 for consumers) the backward took 13.97 ms against 14.35 with the forward's
@@ -142,5 +147,6 @@ def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, fi
     args += [*user_args, *work, buffers[-2] if table is None else table, rounds]
     kwargs = dict(R=r, HEAD_D=d, CAUSAL=bool(is_causal), FIRST=first, LAST=last,
                   ONE_HEAD=group <= r, PARTIAL=partial, CHUNK=chunk, TABLE=table is not None,
-                  PERSISTENT=persistent, **_TILES, **regs, **user_kinds)
+                  PERSISTENT=persistent, DS_SHARED=d >= DS_SHARED_HEAD_D, **_TILES, **regs,
+                  **user_kinds)
     return kern._bwd_kernel, grid, args, kwargs

@@ -18,8 +18,9 @@ order), at D = 128 each item has its CTA:
   log2 e) and delta = rowsum(dout * out) (lowering/triton_kernels.py's _bwd_preprocess):
       S^T = K_c q^T,  dP^T = V_c dout^T           (asynchronous wgmma from shared memory)
       P^T = exp2(S^T * scale * log2 e - lse2),  dS^T = P^T (dP^T - delta)
-      dV_c += P^T dout,  dK_c += dS^T q            (wgmma, P^T and dS^T from registers)
-  and each writes its dS^T into a shared [128, BLOCK_M] tile; once both have (an mbarrier),
+      dV_c += P^T dout,  dK_c += dS^T q            (wgmma, P^T from registers)
+  and each writes its dS^T into a shared [128, BLOCK_M] tile (dK's product reads it there at
+  D = 128, from registers at D = 64: gluon_backward.DS_SHARED_HEAD_D); once both have (an mbarrier),
   consumer c computes dq[:, half c] = dS K[:, half c] over all 128 keys and adds it, times the
   scale, into a float32 dq by relaxed atomics of four columns a thread (Triton 3.6's Gluon has
   no TMA reduce-add).
@@ -263,7 +264,8 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_
                   BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                   GATHER: gl.constexpr, CAUSAL: gl.constexpr, FIRST: gl.constexpr,
                   LAST: gl.constexpr, CP_ASYNC: gl.constexpr, PARTIAL: gl.constexpr,
-                  MASK_KIND: gl.constexpr, DROPOUT: gl.constexpr, ROWS: gl.constexpr):
+                  MASK_KIND: gl.constexpr, DROPOUT: gl.constexpr, ROWS: gl.constexpr,
+                  DS_SHARED: gl.constexpr):
     """Keys key_first + CID * KEYS + [0, KEYS) of a work item's set, over query tiles t0 ...
     n_q - 1 of n_heads heads; it0: query tiles the rings held before this item, item: items
     before it (kv_bar's phase; kv_empty frees the keys and values once their last product is
@@ -279,7 +281,8 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_
     x * MH + p * MQ + p' * MK (Mask at the batch; p * MQ in int32, gluon_forward checks it
     fits). DROPOUT: keep bits hashed from (Seed, b, head, positions; Rows under ROWS), as the
     forward drew them: dV takes the kept P scaled by drop_scale, dP is kept and scaled alike,
-    and dS = P (dP - delta). The query heads of the loop are h, h + R, ..."""
+    and dS = P (dP - delta). The query heads of the loop are h, h + R, ... DS_SHARED: dK's
+    product reads dS^T from the shared tile written for dq's, not from registers."""
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = _mma_layout(NW, BLOCK_M)         # S^T, dP^T: [KEYS, BLOCK_M]
     acc_layout: gl.constexpr = _mma_layout(NW, HEAD_D)        # dK, dV: [KEYS, HEAD_D]
@@ -407,20 +410,29 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_
                 dp = gl.where(keep, dp * drop_scale, 0.0)
             ds16 = (p * (dp - gl.expand_dims(gl.convert_layout(dl, col_l), 0))).to(dtype)
             buf = it % 2
-            ds_smem.index(buf).slice(CID * KEYS, KEYS).store(ds16)
+            ds_tile = ds_smem.index(buf).slice(CID * KEYS, KEYS)
+            ds_tile.store(ds16)
             fence_async_shared()
             gl.thread_barrier()  # every thread's dS^T rows stored and fenced before the arrival
             mbarrier.arrive(ds_bar.index(buf), count=1)
             if DROPOUT:
                 p = gl.where(keep, p * drop_scale, 0.0)
             p16 = gl.convert_layout(p.to(dtype), a_layout)
-            ds16a = gl.convert_layout(ds16, a_layout)
-            dv_tok = warpgroup_mma(p16, do_smem.index(slot), dv, is_async=True)
-            dk_tok = warpgroup_mma(ds16a, q_smem.index(slot), dk, is_async=True)
+            if DS_SHARED:
+                dv_tok = warpgroup_mma(p16, do_smem.index(slot), dv, is_async=True)
+                dk_tok = warpgroup_mma(ds_tile, q_smem.index(slot), dk, is_async=True)
+            else:
+                ds16a = gl.convert_layout(ds16, a_layout)
+                dv_tok = warpgroup_mma(p16, do_smem.index(slot), dv, is_async=True)
+                dk_tok = warpgroup_mma(ds16a, q_smem.index(slot), dk, is_async=True)
             mbarrier.wait(ds_bar.index(buf), (it // 2) & 1)
             dq_tok = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), kd_tile, dq_zero,
                                    use_acc=False, is_async=True)
-            dv, dk, p16_used, ds_used = warpgroup_mma_wait(1, deps=(dv_tok, dk_tok, p16, ds16a))
+            if DS_SHARED:
+                dv, dk, p16_used = warpgroup_mma_wait(1, deps=(dv_tok, dk_tok, p16))
+            else:
+                dv, dk, p16_used, ds_used = warpgroup_mma_wait(1, deps=(dv_tok, dk_tok, p16,
+                                                                        ds16a))
             mbarrier.arrive(q_empty.index(slot), count=1)
             mbarrier.arrive(do_empty.index(slot), count=1)
             dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
@@ -469,7 +481,7 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_empt
               LAST: gl.constexpr, CP_ASYNC: gl.constexpr, PARTIAL: gl.constexpr,
               MASK_KIND: gl.constexpr, DROPOUT: gl.constexpr, ROWS: gl.constexpr,
               ONE_HEAD: gl.constexpr, CHUNK: gl.constexpr, TABLE: gl.constexpr,
-              PERSISTENT: gl.constexpr):
+              PERSISTENT: gl.constexpr, DS_SHARED: gl.constexpr):
     """Consumer CID over the CTA's work items (_bwd_item), in the producer's order: where each
     item's rows lie, then _consume_item."""
     it = 0
@@ -494,7 +506,7 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_empt
                           Mask + b.to(gl.int64) * MB, MH, MQ, MK, Seed, Rows, b, h,
                           keep_threshold, drop_scale, it, item, R, CID, NW, BLOCK_M, HEAD_D,
                           STAGES, GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL, MASK_KIND,
-                          DROPOUT, ROWS)
+                          DROPOUT, ROWS, DS_SHARED)
             it += n_heads * (n_q - t0)
             item += 1
 
@@ -514,7 +526,8 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 CHUNK: gl.constexpr, num_warps: gl.constexpr, MASK_KIND: gl.constexpr = 0,
                 DROPOUT: gl.constexpr = False, ROWS: gl.constexpr = False,
-                TABLE: gl.constexpr = False, PERSISTENT: gl.constexpr = True):
+                TABLE: gl.constexpr = False, PERSISTENT: gl.constexpr = True,
+                DS_SHARED: gl.constexpr = False):
     """Persistent, as the forward (lowering/gluon_kernels.py's _fwd_kernel): a 1-D grid of
     CTAs taking ROUNDS work items each (_item_index), item i being (key tile, j, (b, g, cls)) of
     `_work`'s order over the grid (set length / 128, segments, B * HKV * NUM_CLASSES): the key
@@ -587,7 +600,7 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
                      stride_co, stride_cs, DKOB, DKOH, DKON, DVOB, DVOH, DVON, Mask, MB, MH, MQ,
                      MK, Seed, Rows, keep_threshold, drop_scale, R, 0, num_warps, BLOCK_M, HEAD_D,
                      STAGES, GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL, MASK_KIND, DROPOUT,
-                     ROWS, ONE_HEAD, CHUNK, TABLE, PERSISTENT)),
+                     ROWS, ONE_HEAD, CHUNK, TABLE, PERSISTENT, DS_SHARED)),
         (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_empty,
                      q_ready, q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen,
                      Lse2, Delta, Pos, qk_scale, sm_scale, Table, ROUNDS, items, TILES, SEGMENTS,
@@ -595,7 +608,7 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
                      stride_co, stride_cs, DKOB, DKOH, DKON, DVOB, DVOH, DVON, Mask, MB, MH, MQ,
                      MK, Seed, Rows, keep_threshold, drop_scale, R, 1, num_warps, BLOCK_M, HEAD_D,
                      STAGES, GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL, MASK_KIND, DROPOUT,
-                     ROWS, ONE_HEAD, CHUNK, TABLE, PERSISTENT)),
+                     ROWS, ONE_HEAD, CHUNK, TABLE, PERSISTENT, DS_SHARED)),
         (_load_partition, (Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
                            kv_bar, kv_empty, q_ready, q_empty, do_ready, do_empty, Table, ROUNDS,
                            items, TILES, SEGMENTS, THIRDS, HKV, GROUP, NUM_CLASSES, W, stride_po,

@@ -266,10 +266,11 @@ def test_causal_launches_schedule_sets_in_chunks_that_divide_them():
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_backward_runs_persistent_at_d64_only(d):
+def test_backward_launch_by_head_dim(d):
     """The backward's launch: at D = 64 a persistent grid of one CTA an SM with the causal
-    schedule's table (gluon_forward.persistent_schedule, whose items are its key tiles); at
-    D = 128 one CTA a work item (the persistent loop ran slower there)."""
+    schedule's table (gluon_forward.persistent_schedule, whose items are its key tiles), dK's
+    product reading dS^T from registers; at D = 128 one CTA a work item (the persistent loop
+    ran slower there) and dS^T read from shared memory (faster there, slower at D = 64)."""
     n, w, r = 32768, 4096, 2
     q = torch.randn(1, 4, n, d, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 2, n, d, dtype=torch.bfloat16) for _ in range(2))
@@ -288,6 +289,8 @@ def test_backward_runs_persistent_at_d64_only(d):
         assert kwargs["PERSISTENT"] and kwargs["TABLE"] and grid == (132, )
         assert sorted(table[table >= 0].tolist()) == list(range(items))
         assert rounds == table.shape[0]
+        assert not kwargs["DS_SHARED"]
     else:
         assert not kwargs["PERSISTENT"] and not kwargs["TABLE"] and grid == (items, )
         assert rounds == 1
+        assert kwargs["DS_SHARED"]
