@@ -1,0 +1,95 @@
+"""The Triton lowering's forward and backward times, alone, at the configurations BENCHMARKS.md
+compares kernel changes by: one line per configuration, medians of CUDA-event timings.
+
+    python scripts/kernel_probe.py TAG [--configs NAME ...] [--calls 30] [--forward-only]
+
+To compare two versions of the code, run it from each checkout in alternating processes on one
+machine (`for i in 1 2; do (cd old && python scripts/kernel_probe.py old); python
+scripts/kernel_probe.py new; done`): the GPU's clocks move between calls and machines by more
+than most changes (BENCHMARKS.md, "rounds"). The backward is timed as autograd's gradient of one
+forward's output, so it includes the preprocessing and dq's conversion. Lines are appended to
+$OUT/kernel_probe.txt as well. bf16, B = 1, H = 16; "id" is the identity order, else Hilbert.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hilbert_fx.lowering import dilated_attention  # noqa: E402
+
+BRANCHES = ((2048, 4096, 8192, 16384), (1, 2, 4, 8))
+LLAMA_BRANCHES = ((2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16))  # train_step.py's
+# name: (head dim, N, causal, Hilbert order, branches)
+CONFIGS = {
+    "d128_16k": (128, 16384, False, True, BRANCHES),
+    "d128_64k": (128, 65536, False, True, BRANCHES),
+    "d128_16k_causal": (128, 16384, True, True, BRANCHES),
+    "d128_64k_causal": (128, 65536, True, True, BRANCHES),
+    "d64_64k": (64, 65536, False, True, BRANCHES),
+    "d64_32k_causal_id": (64, 32768, True, False, LLAMA_BRANCHES),
+}
+
+
+def median_ms(fn, calls: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def probe(name: str, calls: int, forward_only: bool) -> tuple[float, float]:
+    d, n, causal, hilbert, (w, r) = CONFIGS[name]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+
+    def forward():
+        return dilated_attention(q, k, v, w, r, hilbert=hilbert, is_causal=causal,
+                                 lowering="triton")
+    with torch.no_grad():
+        fwd = median_ms(forward, calls)
+    if forward_only:
+        return fwd, float("nan")
+    out = forward()
+    grad = torch.randn_like(out)
+    bwd = median_ms(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), calls)
+    return fwd, bwd
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("tag", help="names this code version in the lines printed")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--forward-only", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel_probe: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    out_dir = os.environ.get("OUT", ".")
+    os.makedirs(out_dir, exist_ok=True)
+    for name in args.configs:
+        fwd, bwd = probe(name, args.calls, args.forward_only)
+        line = f"{args.tag:10s} {name:18s} forward {fwd:.3f} ms  backward {bwd:.3f} ms"
+        print(line, flush=True)
+        with open(os.path.join(out_dir, "kernel_probe.txt"), "a") as f:
+            f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
