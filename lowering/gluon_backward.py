@@ -92,7 +92,8 @@ def dout_needs_copy(dout, plan) -> bool:
     else:
         unreadable = gluon_forward._view(dout, plan.dilation_rate) is None
     return (unreadable or dout.data_ptr() % 16 != 0
-            or (not plan.is_strided and n * dout.stride(2) >= 2**31))
+            or ((not plan.is_strided or gluon_forward.partial_sets(plan))
+                and n * dout.stride(2) >= 2**31))
 
 
 def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, first: bool,

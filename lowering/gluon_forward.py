@@ -17,9 +17,8 @@ w / r a multiple of 128, and q, k, v each contiguous or a [B, N, H, D] tensor tr
 sets (N % w == 0, no padding row: plan.complete) reached by strides (the identity order, or
 r == 1 in any order) are read by TMA, and so are the Hilbert order's sets made of runs of stride
 r (`plan_run`: its r = 2 sets); its others by cp.async through the plan's positions. Partial
-sets (`partial_sets`: packed documents, padding, N % w != 0 in the Hilbert order) are gathered
-by cp.async too, each set's count read by the kernel (a ring shard's sets among them); in the
-identity order they run the Triton kernels.
+sets (`partial_sets`: packed documents, padding, N % w != 0 in either order) are gathered by
+cp.async too, each set's count read by the kernel (a ring shard's sets among them).
 HILBERT_FX_GLUON=0 turns the Hopper kernels off, HILBERT_FX_GLUON_RUNS=0 the TMA copies of runs
 (both read once: lowering/tuning.py).
 
@@ -39,6 +38,7 @@ import logging
 import torch
 
 from . import plans
+from .plans import whole_sets as _whole_sets
 from .triton_plans import plan_tensors
 from .tuning import PlanCache, tuning
 
@@ -170,16 +170,6 @@ class Descriptor:
 def _descriptor_class():
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     return TensorDescriptor
-
-
-def _whole_sets(plan) -> bool:
-    """Whether the plan is N / w segments of w / r members each, from its fields alone (reading
-    its counts would synchronise with the GPU). A complete plan has each row in exactly one set
-    of the branch (no padding), so its counts add up to N; with N / w segments of w / r slots
-    per offset there are exactly N slots, and each count is at most w / r: every set is whole."""
-    n, w, r = plan.seq_len, plan.segment_length, plan.dilation_rate
-    return (bool(getattr(plan, "complete", True)) and n % w == 0 and w % r == 0
-            and plan.num_segments == n // w and plan.set_size == w // r)
 
 
 def partial_sets(plan) -> bool:
@@ -321,8 +311,6 @@ def _sets_unsupported(q, k, v, plan) -> str | None:
     if (w // r) % CTA_ROWS:
         return f"w / r not a multiple of {CTA_ROWS}"
     partial = partial_sets(plan)
-    if partial and plan.is_strided:
-        return "partial sets in the identity order (N % w != 0): their positions are not gathered"
     if set_tiles(plan, CTA_ROWS) * plan.num_segments * q.shape[0] * q.shape[1] >= 2**31:
         return "2**31 work items or more (tiles * segments * batch * heads: int32 in the kernels)"
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -330,7 +318,7 @@ def _sets_unsupported(q, k, v, plan) -> str | None:
             return f"{name}'s layout (neither contiguous nor [B, N, H, D] transposed, or unaligned)"
         if partial and x.stride(2) * x.element_size() % 16:
             return f"{name}'s rows are not 16-byte aligned (cp.async copies 16 bytes)"
-        if not plan.is_strided and n * x.stride(2) >= 2**31:
+        if (partial or not plan.is_strided) and n * x.stride(2) >= 2**31:
             return f"{name}'s rows lie 2**31 elements apart or more (int32 offsets of the gather)"
     return None
 

@@ -105,6 +105,16 @@ class BranchPlan:
         return self.positions.index_select(0, offsets)
 
 
+def whole_sets(plan: BranchPlan) -> bool:
+    """Whether the plan is N / w segments of w / r members each, from its fields alone (reading
+    its counts would synchronise with the GPU). A complete plan has each row in exactly one set
+    of the branch (no padding), so its counts add up to N; with N / w segments of w / r slots
+    per offset there are exactly N slots, and each count is at most w / r: every set is whole."""
+    n, w, r = plan.seq_len, plan.segment_length, plan.dilation_rate
+    return (bool(getattr(plan, "complete", True)) and n % w == 0 and w % r == 0
+            and plan.num_segments == n // w and plan.set_size == w // r)
+
+
 @functools.lru_cache(maxsize=256)
 def class_members(w: int, r: int, hilbert: bool) -> torch.Tensor:
     """[r, w // r] long: the in-segment positions of offset class o, ascending. Rank t stands

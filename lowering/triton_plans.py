@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .plans import BranchPlan
+from .plans import BranchPlan, whole_sets
 from .tuning import PlanCache
 
 __all__ = ["POSITION_PAD", "plan_tensors", "forward_order", "seen_rows"]
@@ -27,8 +27,10 @@ def plan_tensors(plan: BranchPlan, device):
     """(positions, counts, strided, groups) of a plan for the kernels on `device`, made once per
     plan; groups (int32 [2, r, S, as positions], -1 past each count) or None.
 
-    Strided plans (identity order) reach rows by arithmetic and pass their positions unused.
-    Otherwise the positions go as int32, each set padded with 0 (a real row) from its count on,
+    Strided plans (identity order) of whole sets reach rows by arithmetic and pass their
+    positions unused. Otherwise (the Triton kernels still reach a strided plan's rows by
+    arithmetic; the Hopper kernels gather partial sets of either order through the positions)
+    the positions go as int32, each set padded with 0 (a real row) from its count on,
     to a whole number of POSITION_PAD members plus one more POSITION_PAD: the kernels load a
     tile of positions, and the next tile's ahead of time, without a mask. On an H200 this took
     the Hilbert order's forward at N = 64K from 5.21 to 5.04 ms and from 5.25 to 5.08 ms, timed
@@ -38,7 +40,7 @@ def plan_tensors(plan: BranchPlan, device):
     def make():
         cnt = plan.counts.to(device)
         pos = plan.positions.to(device)
-        if not plan.is_strided:
+        if not plan.is_strided or not whole_sets(plan):
             r, s, m = pos.shape
             valid = torch.arange(m, device=device) < cnt.unsqueeze(-1)
             padded = torch.zeros(r, s, -(-m // POSITION_PAD) * POSITION_PAD + POSITION_PAD,

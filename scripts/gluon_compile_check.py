@@ -107,6 +107,9 @@ def main():
     # launches of more items than SMs: the persistent loops (round-robin; the causal table)
     case("persistent, strided r=2 D=128", 65536, 4096, 2, False, False, 128)
     case("persistent, strided r=1 D=64 causal", 32768, 2048, 1, False, True, 64)
+    # N % w != 0: partial last sets, gathered in the identity order too
+    case("partial, N % w identity r=2 D=128 causal", 8000, 4096, 2, False, True, 128)
+    case("partial, N % w r=1 D=64", 8000, 4096, 1, True, False, 64)
     if gluon_forward.partial_sets(sequence_plans(packed, (4096,), (2,), True)[0]):
         case("partial, packed r=2 D=128", 8192, 4096, 2, True, False, 128, packed=packed)
         case("partial, packed r=4 D=64 causal", 8192, 4096, 4, True, True, 64, packed=packed,

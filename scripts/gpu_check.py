@@ -58,9 +58,12 @@ CASES = [
     # every copy path of the forward with dropout (D = 128): TMA boxes, runs, cp.async gathers
     ("hopper dropout hilbert", 1, 4, 4, 1024, 128, ((256, 1), (512, 2), (1024, 4)), True, False,
      "dropout"),
-    # N % w != 0 in the Hilbert order: partial last sets, gathered, with a mask and with dropout
+    # N % w != 0 in the Hilbert order (r = 1: the identity's sets): partial last sets,
+    # gathered, with a mask and with dropout
     ("hopper bool mask partial", 1, 4, 2, 1000, 64, ((256, 1), (512, 2)), True, False, "bool"),
     ("hopper dropout partial", 2, 4, 4, 1000, 128, ((256, 1), (512, 4)), True, True, "dropout"),
+    # N % w != 0 in the identity order: its partial sets gathered through padded positions
+    ("hopper identity partial", 1, 4, 2, 1000, 128, ((256, 1), (512, 2)), False, True, None),
     # more work items than an H100's or H200's SMs (branch (256, 1): 2 tiles * 4 segments * 32
     # batch-heads = 256): the persistent loops, round-robin, and under causal masks the host's
     # table (the backward persistent at D = 64 too)

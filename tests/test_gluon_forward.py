@@ -4,6 +4,8 @@ The kernel itself needs an sm_90 GPU: scripts/gpu_check.py's "hopper" cases chec
 the float64 reference there (BENCHMARKS.md). Here: that the TMA views reach exactly the rows of
 each selected set, and when the kernel is not used.
 """
+import types
+
 import pytest
 import torch
 
@@ -89,10 +91,9 @@ class _CudaStandIn:
 
 
 def test_partial_sets_are_gathered():
-    """Sets with fewer than w / r members (a partial last segment, packed documents, padding)
-    run the Hopper kernels through the gather (each set's count read by the kernel), unless in
-    the identity order, whose positions the lowering does not pad for a gather, or a ring
-    shard's (kept on the Triton kernels until checked on several GPUs); whole sets keep TMA."""
+    """Sets with fewer than w / r members (a partial last segment in either order, packed
+    documents, padding, a ring shard's) run the Hopper kernels through the gather (each set's
+    count read by the kernel); whole sets keep TMA."""
     from hilbert_fx.lowering.ring_plan import shard_branch_plans
     from hilbert_fx.lowering.sequences import sequence_plans
     whole = branch_plan(4096, 1024, 2, True)
@@ -109,8 +110,7 @@ def test_partial_sets_are_gathered():
     assert gluon_forward._sets_unsupported(x, x, x, whole) is None
     y = x[:, :, :4000]
     assert gluon_forward._sets_unsupported(y, y, y, branch_plan(4000, 1024, 2, True)) is None
-    assert "identity order" in gluon_forward._sets_unsupported(
-        y, y, y, branch_plan(4000, 1024, 2, False))
+    assert gluon_forward._sets_unsupported(y, y, y, branch_plan(4000, 1024, 2, False)) is None
     z = x[:, :, :1024]
     for plan in packed:  # a set per segment; the bins' groups are left to the Triton kernels
         reason = gluon_forward._sets_unsupported(z, z, z, plan)
@@ -201,3 +201,42 @@ def test_persistent_schedule_under_graph_capture_goes_round_robin(monkeypatch):
                                             third_first=False, ctas=132,
                                             device=torch.device("cuda", 0))
     assert got == ((132, ), None, 16) and gluon_forward._schedules == {}
+
+
+@pytest.mark.parametrize("r", [1, 2])
+def test_identity_order_partial_sets_go_to_the_gather(r, monkeypatch):
+    """N % w != 0 in the identity order (or r = 1 in any order): the plan stays strided, so the
+    Triton kernels reach its rows by arithmetic, but its positions go out as the gather reads
+    them: int32, member m of set (o, j) at j * w + o + m * r (SPEC section 2) up to the set's
+    count, 0 past it, padded to whole tiles; and both Hopper launches take the gather path,
+    reading the counts."""
+    from hilbert_fx.lowering import gluon_backward
+    from hilbert_fx.lowering.triton_plans import POSITION_PAD, plan_tensors
+    n, w = 4000, 1024
+    plan = branch_plan(n, w, r, r == 1)
+    assert plan.is_strided and gluon_forward.partial_sets(plan)
+    pos, cnt, strided, _ = plan_tensors(plan, "cpu")
+    assert strided and pos.dtype == torch.int32 and pos.shape[-1] % POSITION_PAD == 0
+    assert pos.shape[-1] > w // r
+    last = n - (n // w) * w  # rows of the partial last segment
+    for o in range(r):
+        for j in range(-(-n // w)):
+            count = w // r if j < n // w else len(range(o, last, r))
+            assert int(cnt[o, j]) == count
+            assert torch.equal(pos[o, j, :count].long(), j * w + o + r * torch.arange(count))
+            assert not pos[o, j, count:].any()
+
+    # the kernels' modules stand in (Gluon imports only with Triton 3.6): the launches' arguments
+    monkeypatch.setattr(gluon_forward, "_load", lambda: types.SimpleNamespace(_fwd_kernel=None))
+    monkeypatch.setattr(gluon_backward, "_load", lambda: types.SimpleNamespace(_bwd_kernel=None))
+    q = torch.randn(1, 4, n, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, n, 64, dtype=torch.bfloat16) for _ in range(2))
+    lse = torch.empty(q.shape[:3])
+    _, _, _, fwd = gluon_forward.prepare(q, k, v, plan, pos, is_causal=True, scale=0.1, first=True,
+                                         last=True, refs=(q, k, v, q.clone(), q.float(), lse))
+    _, _, _, bwd = gluon_backward.prepare(
+        q, k, v, q.clone(), plan, pos, is_causal=True, scale=0.1, first=True, last=True,
+        refs=(q, k, v, q.clone(), torch.zeros(q.shape), torch.empty(k.shape), torch.empty(v.shape),
+              k.clone(), v.clone(), torch.zeros(2, n, dtype=torch.uint8), lse.clone(), lse.clone()))
+    for kwargs in (fwd, bwd):
+        assert kwargs["GATHER"] and kwargs["PARTIAL"] and kwargs["RUN"] == 0
