@@ -1,6 +1,6 @@
 """The kernels' order under causal masks: the longest tiles of a chunk of sets first
-(lowering/gluon_kernels.py's and lowering/triton_kernels.py's `_scheduled`) against grid order,
-checked and timed in one process on one GPU.
+(lowering/gluon_kernels.py's `_work`, lowering/triton_kernels.py's `_scheduled`) against grid
+order, checked and timed in one process on one GPU.
 
     PYTHONPATH=.:tests python scripts/causal_order.py [--triton-only]
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from causal_order import median_ms  # noqa: E402  (scripts/, this script's folder)
 
 from hilbert_fx.lowering import dilated_attention  # noqa: E402
 
@@ -34,20 +35,6 @@ CONFIGS = {
     "d64_64k": (64, 65536, False, True, BRANCHES),
     "d64_32k_causal_id": (64, 32768, True, False, LLAMA_BRANCHES),
 }
-
-
-def median_ms(fn, calls: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def probe(name: str, calls: int, forward_only: bool) -> tuple[float, float]:
