@@ -171,6 +171,29 @@ def test_persistent_schedule_covers_each_item_once(work):
         assert max(loads) < 0.9 * max(shared)
 
 
+@pytest.mark.parametrize("third_first", [False, True])
+@pytest.mark.parametrize("work", [(16, 8, 16), (8, 4, 6), (3, 5, 7), (32, 2, 40)])
+def test_persistent_schedule_is_list_scheduling(work, third_first):
+    """The table is list scheduling by the cost model, item by item with a heap of the CTAs'
+    free times (ties to the lowest CTA), as written here: the same items on the same CTAs."""
+    import heapq
+    tiles, segments, thirds = work
+    items, chunk, ctas = tiles * segments * thirds, gluon_forward.chunk_sets(work, True), 20
+    free = [(0.0, cta) for cta in range(ctas)]
+    lists = [[] for _ in range(ctas)]
+    for i in range(items):
+        rank = (i // thirds) % tiles if third_first else _causal_rank(i, *work, chunk)
+        at, cta = heapq.heappop(free)
+        lists[cta].append(i)
+        heapq.heappush(free, (at + tiles - rank + gluon_forward.ITEM_OVERHEAD_TILES, cta))
+    _, table, rounds = gluon_forward.persistent_schedule(
+        work, is_causal=True, one_each=False, chunk=chunk, third_first=third_first, ctas=ctas,
+        device=torch.device("cpu"))
+    assert rounds == max(len(x) for x in lists)
+    for cta in range(ctas):
+        assert table[:, cta].tolist() == lists[cta] + [-1] * (rounds - len(lists[cta]))
+
+
 def test_persistent_schedule_shares_items_alike_round_robin():
     kw = dict(chunk=1, third_first=False, ctas=132, device=torch.device("cpu"))
     assert gluon_forward.persistent_schedule((16, 8, 16), is_causal=False, one_each=False,
