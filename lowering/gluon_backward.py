@@ -87,13 +87,13 @@ def dout_needs_copy(dout, plan) -> bool:
     """Whether dout must be made contiguous first: a layout the 2-D views cannot read, an
     unaligned start, or rows too far apart for the gather's int32 offsets."""
     n = dout.shape[2]
-    if gluon_forward.partial_sets(plan):  # gathered row by row: rows of 16-byte multiples
+    partial = gluon_forward.partial_sets(plan)
+    if partial:  # gathered row by row: rows of 16-byte multiples
         unreadable = dout.stride(-1) != 1 or dout.stride(2) * dout.element_size() % 16 != 0
     else:
         unreadable = gluon_forward._view(dout, plan.dilation_rate) is None
     return (unreadable or dout.data_ptr() % 16 != 0
-            or ((not plan.is_strided or gluon_forward.partial_sets(plan))
-                and n * dout.stride(2) >= 2**31))
+            or ((partial or not plan.is_strided) and n * dout.stride(2) >= 2**31))
 
 
 def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, first: bool,

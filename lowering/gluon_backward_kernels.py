@@ -418,13 +418,11 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_
             if DROPOUT:
                 p = gl.where(keep, p * drop_scale, 0.0)
             p16 = gl.convert_layout(p.to(dtype), a_layout)
-            if DS_SHARED:
-                dv_tok = warpgroup_mma(p16, do_smem.index(slot), dv, is_async=True)
-                dk_tok = warpgroup_mma(ds_tile, q_smem.index(slot), dk, is_async=True)
-            else:
+            if not DS_SHARED:
                 ds16a = gl.convert_layout(ds16, a_layout)
-                dv_tok = warpgroup_mma(p16, do_smem.index(slot), dv, is_async=True)
-                dk_tok = warpgroup_mma(ds16a, q_smem.index(slot), dk, is_async=True)
+            dv_tok = warpgroup_mma(p16, do_smem.index(slot), dv, is_async=True)
+            dk_tok = warpgroup_mma(ds_tile if DS_SHARED else ds16a, q_smem.index(slot), dk,
+                                   is_async=True)
             mbarrier.wait(ds_bar.index(buf), (it // 2) & 1)
             dq_tok = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), kd_tile, dq_zero,
                                    use_acc=False, is_async=True)
