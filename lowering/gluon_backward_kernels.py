@@ -22,8 +22,10 @@ order), at D = 128 each item has its CTA:
   and each writes its dS^T into a shared [128, BLOCK_M] tile (dK's product reads it there at
   D = 128, from registers at D = 64: gluon_backward.DS_SHARED_HEAD_D); once both have (an mbarrier),
   consumer c computes dq[:, half c] = dS K[:, half c] over all 128 keys and adds it, times the
-  scale, into a float32 dq by relaxed atomics of four columns a thread (Triton 3.6's Gluon has
-  no TMA reduce-add).
+  scale, into a float32 dq: where the producer copies by TMA (strided sets, runs) the tile goes
+  through shared memory and out by TMA reductions (DQ_BOX: a box of a tile or of a run; 7 to
+  12% faster than the atomics at D = 128, as FlashAttention-3 adds its dQ), elsewhere by
+  relaxed atomics of four columns a thread (TMA on Hopper cannot scatter rows).
   Five products per (key tile, query tile), as FlashAttention-3 and cuDNN do.
 
 The end of a program adds its dK, dV rows into what the branches launched before left, as
@@ -35,7 +37,9 @@ Causal: a key tile's query tiles start at its diagonal, whose two tiles are mask
 mask and dropout: P from the scores with the mask's entries (read while S^T and dP^T run), and
 dropout's keep bits drawn as the forward drew them (lowering/gluon_kernels.py).
 """
+from triton._C.libtriton import ir
 from triton.experimental import gluon
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                               tma, warpgroup_mma, warpgroup_mma_wait)
@@ -44,6 +48,16 @@ from .gluon_kernels import (CONSUMERS, _boxes, _gather_rows, _hashed, _item_inde
                             _key_positions, _mix32, _mma_layout, _tma_rows, _work)
 
 KEYS = gl.constexpr(64)  # keys a consumer owns; a CTA owns CONSUMERS * KEYS
+
+
+@builtin
+def _tma_add(desc, coord, src, _semantic=None):
+    """TMA's reduce-add of a shared tile into global memory at `coord` of desc's view
+    (cp.reduce.async.bulk.tensor .add): Triton 3.6's Gluon builds the operation
+    (create_async_tma_reduce) but exports no function for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord,
+                                              src.handle)
 
 
 @gluon.jit
@@ -255,8 +269,8 @@ def _add_rows(acc, Buf, Final, Seen, seen_idx, krow, cols, final_sn, valid,
 
 
 @gluon.jit
-def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_empty, q_ready,
-                  q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta,
+def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv_bar, kv_empty,
+                  q_ready, q_empty, do_ready, do_empty, ds_bar, DQx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta,
                   Pos, qk_scale, sm_scale, q_head_row, q_head_step, kv_head_row, dko_base,
                   dko_sn, dvo_base, dvo_sn, seen_row, set_row, pos_set, key_first, t0, n_q,
                   n_heads, count, Mask, MH, MQ, MK, Seed, Rows, b, h, keep_threshold, drop_scale,
@@ -265,7 +279,7 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_
                   GATHER: gl.constexpr, CAUSAL: gl.constexpr, FIRST: gl.constexpr,
                   LAST: gl.constexpr, CP_ASYNC: gl.constexpr, PARTIAL: gl.constexpr,
                   MASK_KIND: gl.constexpr, DROPOUT: gl.constexpr, ROWS: gl.constexpr,
-                  DS_SHARED: gl.constexpr):
+                  DS_SHARED: gl.constexpr, DQ_BOX: gl.constexpr):
     """Keys key_first + CID * KEYS + [0, KEYS) of a work item's set, over query tiles t0 ...
     n_q - 1 of n_heads heads; it0: query tiles the rings held before this item, item: items
     before it (kv_bar's phase; kv_empty frees the keys and values once their last product is
@@ -282,7 +296,9 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_
     fits). DROPOUT: keep bits hashed from (Seed, b, head, positions; Rows under ROWS), as the
     forward drew them: dV takes the kept P scaled by drop_scale, dP is kept and scaled alike,
     and dS = P (dP - delta). The query heads of the loop are h, h + R, ... DS_SHARED: dK's
-    product reads dS^T from the shared tile written for dq's, not from registers."""
+    product reads dS^T from the shared tile written for dq's, not from registers. DQ_BOX > 0:
+    dq's tile is stored to dq_smem[CID] and added by TMA reductions through DQx (the 2-D view of
+    dq, boxes of DQ_BOX rows: a tile of a strided set, or each run of a set made of runs)."""
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = _mma_layout(NW, BLOCK_M)         # S^T, dP^T: [KEYS, BLOCK_M]
     acc_layout: gl.constexpr = _mma_layout(NW, HEAD_D)        # dK, dV: [KEYS, HEAD_D]
@@ -292,10 +308,10 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_
     # lse2 and delta are loaded one value a thread and spread over the columns only when used:
     # held in the column layout across the products they spilled registers at D = 128.
     vec_l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-    # dq is added four columns a thread (red.global.add.v4.f32), half the atomic instructions
-    # of wgmma's layout, whose threads hold column pairs: the atomics set the pace of the
-    # backward (twice as many made it 27% slower at D = 64), and this layout made it 5 to 8%
-    # faster at D = 64 and 2 to 5% at D = 128 (H200, BENCHMARKS.md)
+    # Without DQ_BOX, dq is added four columns a thread (red.global.add.v4.f32), half the atomic
+    # instructions of wgmma's layout, whose threads hold column pairs: the atomics set the pace
+    # of the backward (twice as many made it 27% slower at D = 64), and this layout made it 5
+    # to 8% faster at D = 64 and 2 to 5% at D = 128 (H200, BENCHMARKS.md)
     red_l: gl.constexpr = gl.BlockedLayout([1, 4], [256 // HEAD_D, HEAD_D // 8], [NW, 1], [1, 0])
     dq_rows_l: gl.constexpr = gl.SliceLayout(1, red_l)
     k_tile = k_smem.index(CID)
@@ -434,13 +450,32 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_
             mbarrier.arrive(q_empty.index(slot), count=1)
             mbarrier.arrive(do_empty.index(slot), count=1)
             dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
-            dq = gl.convert_layout(dq, red_l)
-            if GATHER:
+            if DQ_BOX > 0:  # staged in shared memory, added by TMA reductions
+                tma.store_wait(0)  # the last tile's reductions have read the staging tile
+                gl.thread_barrier()
+                dq_tile = dq_smem.index(CID)
+                dq_tile.store(dq * sm_scale)
+                fence_async_shared()
+                gl.thread_barrier()
+                if GATHER:  # runs of DQ_BOX members, consecutive rows of the 2-D view
+                    for c in gl.static_range(BLOCK_M // DQ_BOX):
+                        p = gl.load(Pos + pos_set + t * BLOCK_M + c * DQ_BOX)
+                        _tma_add(DQx, [(head_row // R + p // R).to(gl.int32),
+                                       (p % R) * HEAD_D + CID * (HEAD_D // 2)],
+                                 dq_tile.slice(c * DQ_BOX, DQ_BOX))
+                else:  # member m of a tile is row tile_row / R + m of the 2-D view
+                    _tma_add(DQx, [(tile_row // R).to(gl.int32),
+                                   (set_row % R) * HEAD_D + CID * (HEAD_D // 2)], dq_tile)
+            elif GATHER:
+                dq = gl.convert_layout(dq, red_l)
                 dq_pos = gl.load(Pos + pos_set + t * BLOCK_M + dq_members)
                 dq_ptrs = DQ + head_row * HEAD_D + (gl.expand_dims(dq_pos * HEAD_D, 1) + dq_cols)
             else:
+                dq = gl.convert_layout(dq, red_l)
                 dq_ptrs = DQ + tile_row * HEAD_D + dq_offs
-            if PARTIAL:
+            if DQ_BOX > 0:
+                pass
+            elif PARTIAL:
                 dq_live = gl.expand_dims(t * BLOCK_M + dq_members < count, 1) & (dq_cols >= 0)
                 gl.atomic_add(dq_ptrs, dq * sm_scale, mask=dq_live, sem="relaxed")
             else:
@@ -468,8 +503,8 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_empty, q_ready,
-              q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
+def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv_bar, kv_empty,
+              q_ready, q_empty, do_ready, do_empty, ds_bar, DQx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
               qk_scale, sm_scale, Table, rounds, items, tiles, segments, thirds, H, HKV, N,
               GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt, stride_co, stride_cs, DKOB,
               DKOH, DKON, DVOB, DVOH, DVON, Mask, MB, MH, MQ, MK, Seed, Rows, keep_threshold,
@@ -479,7 +514,7 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_empt
               LAST: gl.constexpr, CP_ASYNC: gl.constexpr, PARTIAL: gl.constexpr,
               MASK_KIND: gl.constexpr, DROPOUT: gl.constexpr, ROWS: gl.constexpr,
               ONE_HEAD: gl.constexpr, CHUNK: gl.constexpr, TABLE: gl.constexpr,
-              PERSISTENT: gl.constexpr, DS_SHARED: gl.constexpr):
+              PERSISTENT: gl.constexpr, DS_SHARED: gl.constexpr, DQ_BOX: gl.constexpr):
     """Consumer CID over the CTA's work items (_bwd_item), in the producer's order: where each
     item's rows lie, then _consume_item."""
     it = 0
@@ -494,8 +529,8 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_empt
                 pos_set = off * stride_po + seg * stride_ps
             else:
                 pos_set = 0
-            _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_empty,
-                          q_ready, q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO,
+            _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv_bar,
+                          kv_empty, q_ready, q_empty, do_ready, do_empty, ds_bar, DQx, DQ, DK, DV, DKO, DVO,
                           Seen, Lse2, Delta, Pos, qk_scale, sm_scale,
                           (b * H + h).to(gl.int64) * N, R * N, (b * HKV + g).to(gl.int64) * N,
                           b.to(gl.int64) * DKOB + g.to(gl.int64) * DKOH, DKON,
@@ -504,13 +539,15 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_empt
                           Mask + b.to(gl.int64) * MB, MH, MQ, MK, Seed, Rows, b, h,
                           keep_threshold, drop_scale, it, item, R, CID, NW, BLOCK_M, HEAD_D,
                           STAGES, GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL, MASK_KIND,
-                          DROPOUT, ROWS, DS_SHARED)
+                          DROPOUT, ROWS, DS_SHARED, DQ_BOX)
             it += n_heads * (n_q - t0)
             item += 1
+    if DQ_BOX > 0:
+        tma.store_wait(0)  # the staging tile stays until its last reduction has read it
 
 
 @gluon.jit
-def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos, qk_scale,
+def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos, qk_scale,
                 sm_scale, H, HKV, N, GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt, stride_co,
                 stride_cs,
                 QA, QB, QC, QD, KA, KB, KC, KD, VA, VB, VC, VD, OA, OB, OC, OD,
@@ -525,7 +562,7 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
                 CHUNK: gl.constexpr, num_warps: gl.constexpr, MASK_KIND: gl.constexpr = 0,
                 DROPOUT: gl.constexpr = False, ROWS: gl.constexpr = False,
                 TABLE: gl.constexpr = False, PERSISTENT: gl.constexpr = True,
-                DS_SHARED: gl.constexpr = False):
+                DS_SHARED: gl.constexpr = False, DQ_BOX: gl.constexpr = 0):
     """Persistent, as the forward (lowering/gluon_kernels.py's _fwd_kernel): a 1-D grid of
     CTAs taking ROUNDS work items each (_item_index), item i being (key tile, j, (b, g, cls)) of
     `_work`'s order over the grid (set length / 128, segments, B * HKV * NUM_CLASSES): the key
@@ -548,7 +585,8 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     b * DKOB + g * DKOH + n * DKON, DVO's likewise), Seen over [HKV, N]. PARTIAL (GATHER,
     RUN == 0): set j of offset o has Cnt[o, j] members (a packed row's plan); items past it
     are skipped. MASK_KIND, DROPOUT, ROWS and their arguments: as the forward's
-    (lowering/gluon_kernels.py's _fwd_kernel)."""
+    (lowering/gluon_kernels.py's _fwd_kernel). DQx: with DQ_BOX > 0 a TMA descriptor of DQ's
+    2-D view with boxes [DQ_BOX, D / 2], through which dq's tiles are added; else DQ itself."""
     items = TILES * SEGMENTS * THIRDS
     # the producer copies by cp.async (Qx a tensor; each of its threads arrives) or by TMA
     CP_ASYNC: gl.constexpr = GATHER and RUN == 0
@@ -571,6 +609,11 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
     v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, KEYS, HEAD_D], k_sl)
     kd_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, CONSUMERS * KEYS, HEAD_D // 2], kd_sl)
     ds_smem = gl.allocate_shared_memory(dtype, [2, CONSUMERS * KEYS, BLOCK_M], ds_sl)
+    if DQ_BOX > 0:  # each consumer's dq tile, staged for its TMA reduction
+        dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, BLOCK_M, HEAD_D // 2],
+                                            DQx.layout)
+    else:
+        dq_smem = ds_smem
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -591,22 +634,22 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, P
 
     # Triton 3.6: the argument tuples must be written inline (lowering/gluon_kernels.py)
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_empty,
-                     q_ready, q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen,
+        (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv_bar,
+                     kv_empty, q_ready, q_empty, do_ready, do_empty, ds_bar, DQx, DQ, DK, DV, DKO, DVO, Seen,
                      Lse2, Delta, Pos, qk_scale, sm_scale, Table, ROUNDS, items, TILES, SEGMENTS,
                      THIRDS, H, HKV, N, GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt,
                      stride_co, stride_cs, DKOB, DKOH, DKON, DVOB, DVOH, DVON, Mask, MB, MH, MQ,
                      MK, Seed, Rows, keep_threshold, drop_scale, R, 0, num_warps, BLOCK_M, HEAD_D,
                      STAGES, GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL, MASK_KIND, DROPOUT,
-                     ROWS, ONE_HEAD, CHUNK, TABLE, PERSISTENT, DS_SHARED)),
-        (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, kv_bar, kv_empty,
-                     q_ready, q_empty, do_ready, do_empty, ds_bar, DQ, DK, DV, DKO, DVO, Seen,
+                     ROWS, ONE_HEAD, CHUNK, TABLE, PERSISTENT, DS_SHARED, DQ_BOX)),
+        (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv_bar,
+                     kv_empty, q_ready, q_empty, do_ready, do_empty, ds_bar, DQx, DQ, DK, DV, DKO, DVO, Seen,
                      Lse2, Delta, Pos, qk_scale, sm_scale, Table, ROUNDS, items, TILES, SEGMENTS,
                      THIRDS, H, HKV, N, GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt,
                      stride_co, stride_cs, DKOB, DKOH, DKON, DVOB, DVOH, DVON, Mask, MB, MH, MQ,
                      MK, Seed, Rows, keep_threshold, drop_scale, R, 1, num_warps, BLOCK_M, HEAD_D,
                      STAGES, GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL, MASK_KIND, DROPOUT,
-                     ROWS, ONE_HEAD, CHUNK, TABLE, PERSISTENT, DS_SHARED)),
+                     ROWS, ONE_HEAD, CHUNK, TABLE, PERSISTENT, DS_SHARED, DQ_BOX)),
         (_load_partition, (Qx, Kx, KDx, Vx, DOx, Pos, q_smem, k_smem, kd_smem, v_smem, do_smem,
                            kv_bar, kv_empty, q_ready, q_empty, do_ready, do_empty, Table, ROUNDS,
                            items, TILES, SEGMENTS, THIRDS, HKV, GROUP, NUM_CLASSES, W, stride_po,

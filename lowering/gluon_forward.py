@@ -113,7 +113,8 @@ def _descriptor(x: torch.Tensor, r: int, box: list[int]):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     view, *row_col = _view(x, r)
-    gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+                torch.float32: gl.float32}[x.dtype]
     layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
     return TensorDescriptor(view, list(view.shape), list(view.stride()), box, layout), row_col
 

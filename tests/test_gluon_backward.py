@@ -294,3 +294,32 @@ def test_backward_launch_by_head_dim(d):
         assert not kwargs["PERSISTENT"] and not kwargs["TABLE"] and grid == (items, )
         assert rounds == 1
         assert kwargs["DS_SHARED"]
+
+
+@pytest.mark.parametrize("hilbert,r,n", [(False, 2, 32768), (True, 2, 65536), (True, 4, 65536),
+                                         (False, 2, 30000)])
+def test_backward_dq_reduction_by_copy_path(hilbert, r, n):
+    """dq's tiles go out by TMA reductions wherever the producer copies by TMA: strided sets a
+    box of BLOCK_M rows a tile, the Hilbert order's runs a box a run (DQ_BOX its rows, the dq
+    buffer's descriptor with those boxes); gathered sets (no runs, partial sets) by atomics."""
+    d, w = 64, 4096
+    q = torch.randn(1, 2, n, d, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, n, d, dtype=torch.bfloat16) for _ in range(2))
+    plan = branch_plan(n, w, r, hilbert)
+    pos = gluon_backward.plan_tensors(plan, "cpu")[0]
+    lse = torch.empty(q.shape[:3])
+    dq = torch.zeros(q.shape)
+    _, _, args, kwargs = gluon_backward.prepare(
+        q, k, v, q.clone(), plan, pos, is_causal=False, scale=0.1, first=True, last=False,
+        refs=(q, k, v, q.clone(), dq, torch.empty(k.shape), torch.empty(v.shape), k.clone(),
+              v.clone(), torch.zeros(2, n, dtype=torch.uint8), lse.clone(), lse.clone()))
+    run = gluon_forward.plan_run(plan)
+    expected = {(False, 2, 32768): 64, (True, 2, 65536): run, (True, 4, 65536): 0,
+                (False, 2, 30000): 0}[(hilbert, r, n)]
+    assert kwargs["DQ_BOX"] == expected
+    if expected:
+        assert run == (0 if not hilbert else expected) and expected in (8, 16, 32, 64)
+        assert isinstance(args[5], gluon_forward.Descriptor) and args[5].source is dq
+        assert args[5].box == [expected, d // 2]
+    else:
+        assert args[5] is dq
