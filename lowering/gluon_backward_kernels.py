@@ -340,22 +340,21 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv
         if DROPOUT:
             khash = gl.expand_dims(_hashed(Rows, kpos, ROWS), 1)
             seed = gl.load(Seed).to(gl.uint32)
-    # PREFETCH: a tile's lse2 and delta come from L2 while the tile before runs its products:
-    # each iteration loads those of the next (head, tile) pair, and with GATHER the positions
-    # of the pair after it, on which they depend. Waiting for them at the top of each iteration
-    # stalled the warps for longer than a tile's products take at D = 64 (backward 9% faster).
-    # At D = 128 the registers they hold spilled, and the backward was 2% slower.
-    PREFETCH: gl.constexpr = HEAD_D <= 64
-    if PREFETCH:
-        if GATHER:
-            pos = gl.load(Pos + pos_set + t0 * BLOCK_M + q_members)
-            lse = gl.load(Lse2 + q_head_row + pos)
-            dl = gl.load(Delta + q_head_row + pos)
-            _, t_n = _next_pair(0, t0, t0, n_q, n_heads)
-            pos_n = gl.load(Pos + pos_set + t_n * BLOCK_M + q_members)
-        else:
-            lse = gl.load(Lse2 + q_head_row + set_row + t0 * (BLOCK_M * R) + q_offs)
-            dl = gl.load(Delta + q_head_row + set_row + t0 * (BLOCK_M * R) + q_offs)
+    # A tile's lse2 and delta come from L2 while the tile before runs its products: each
+    # iteration loads those of the next (head, tile) pair, and with GATHER the positions of the
+    # pair after it, on which they depend. Waiting for them at the top of each iteration
+    # stalled the warps for longer than a tile's products take at D = 64 (backward 9% faster);
+    # at D = 128 the registers they hold spilled while dq went out by atomics (2% slower), and
+    # with dq's TMA reductions it is 1 to 4% faster (H200, BENCHMARKS.md).
+    if GATHER:
+        pos = gl.load(Pos + pos_set + t0 * BLOCK_M + q_members)
+        lse = gl.load(Lse2 + q_head_row + pos)
+        dl = gl.load(Delta + q_head_row + pos)
+        _, t_n = _next_pair(0, t0, t0, n_q, n_heads)
+        pos_n = gl.load(Pos + pos_set + t_n * BLOCK_M + q_members)
+    else:
+        lse = gl.load(Lse2 + q_head_row + set_row + t0 * (BLOCK_M * R) + q_offs)
+        dl = gl.load(Delta + q_head_row + set_row + t0 * (BLOCK_M * R) + q_offs)
     mbarrier.wait(kv_bar, item & 1)
     it = it0
     for hi in range(n_heads):
@@ -369,24 +368,16 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv
             phase = (it // STAGES) & 1
             if not GATHER:
                 tile_row = head_row + set_row + t * (BLOCK_M * R)
-            if PREFETCH:
-                hi_n, t_n = _next_pair(hi, t, t0, n_q, n_heads)  # the last pair's is itself
-                next_row = q_head_row + hi_n * q_head_step
-                if GATHER:
-                    lse_n = gl.load(Lse2 + next_row + pos_n)
-                    dl_n = gl.load(Delta + next_row + pos_n)
-                    _, t_nn = _next_pair(hi_n, t_n, t0, n_q, n_heads)
-                    pos_nn = gl.load(Pos + pos_set + t_nn * BLOCK_M + q_members)
-                else:
-                    lse_n = gl.load(Lse2 + next_row + set_row + t_n * (BLOCK_M * R) + q_offs)
-                    dl_n = gl.load(Delta + next_row + set_row + t_n * (BLOCK_M * R) + q_offs)
-            elif GATHER:
-                pos = gl.load(Pos + pos_set + t * BLOCK_M + q_members)
-                lse = gl.load(Lse2 + head_row + pos)
-                dl = gl.load(Delta + head_row + pos)
+            hi_n, t_n = _next_pair(hi, t, t0, n_q, n_heads)  # the last pair's is itself
+            next_row = q_head_row + hi_n * q_head_step
+            if GATHER:
+                lse_n = gl.load(Lse2 + next_row + pos_n)
+                dl_n = gl.load(Delta + next_row + pos_n)
+                _, t_nn = _next_pair(hi_n, t_n, t0, n_q, n_heads)
+                pos_nn = gl.load(Pos + pos_set + t_nn * BLOCK_M + q_members)
             else:
-                lse = gl.load(Lse2 + tile_row + q_offs)
-                dl = gl.load(Delta + tile_row + q_offs)
+                lse_n = gl.load(Lse2 + next_row + set_row + t_n * (BLOCK_M * R) + q_offs)
+                dl_n = gl.load(Delta + next_row + set_row + t_n * (BLOCK_M * R) + q_offs)
             mbarrier.wait(q_ready.index(slot), phase)
             if CP_ASYNC:
                 fence_async_shared()
@@ -480,11 +471,10 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv
                 gl.atomic_add(dq_ptrs, dq * sm_scale, mask=dq_live, sem="relaxed")
             else:
                 gl.atomic_add(dq_ptrs, dq * sm_scale, sem="relaxed")
-            if PREFETCH:
-                lse = lse_n
-                dl = dl_n
-                if GATHER:
-                    pos_n = pos_nn
+            lse = lse_n
+            dl = dl_n
+            if GATHER:
+                pos_n = pos_nn
             it += 1
     mbarrier.arrive(kv_empty, count=1)  # the next item's keys and values may load
     rows_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
