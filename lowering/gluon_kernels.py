@@ -334,25 +334,26 @@ def _keep(qhash, khash, threshold):
 @gluon.jit
 def _user_tile(Pos, pos_set, set_first, members, R, m_rows, MK, GATHER: gl.constexpr,
                MASK_KIND: gl.constexpr):
-    """(positions of the key tile's members, addresses of the tile's mask entries: m_rows, the
-    rows' addresses, plus each key's column; 0 without a mask)."""
+    """(positions of the key tile's members, the tile's mask entries at m_rows, the rows'
+    addresses, plus each key's column; 0 without a mask). Called while the tile's products
+    run: read after their wait, the entries' round trip to L2 stalled every tile."""
     kpos = _key_positions(Pos, pos_set, set_first, members, R, GATHER)
-    m_ptrs = 0
+    m_val = 0
     if MASK_KIND != 0:
-        m_ptrs = m_rows + gl.expand_dims(kpos * MK, 0)
-    return kpos, m_ptrs
+        m_val = gl.load(m_rows + gl.expand_dims(kpos * MK, 0))
+    return kpos, m_val
 
 
 @gluon.jit
-def _user_scores(s, qk_scale, m_ptrs, MASK_KIND: gl.constexpr):
-    """Raw products s scaled to base 2, then the user's mask at m_ptrs (its entries, in s's
-    layout), if any: boolean (MASK_KIND 1, nonzero = allowed) or additive float (2, in
-    natural-log units)."""
+def _user_scores(s, qk_scale, m_val, MASK_KIND: gl.constexpr):
+    """Raw products s scaled to base 2, then the user's mask entries m_val (in s's layout), if
+    any: boolean (MASK_KIND 1, nonzero = allowed) or additive float (2, in natural-log
+    units)."""
     s = s * qk_scale
     if MASK_KIND == 1:
-        s = gl.where(gl.load(m_ptrs) != 0, s, float("-inf"))
+        s = gl.where(m_val != 0, s, float("-inf"))
     elif MASK_KIND == 2:
-        s = s + gl.load(m_ptrs).to(gl.float32) * 1.4426950408889634
+        s = s + m_val.to(gl.float32) * 1.4426950408889634
     return s
 
 
@@ -521,12 +522,12 @@ def _consume_item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_re
     s_tok = warpgroup_mma(q_tile, k_smem.index(first).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
     if USER:  # the tile's key positions, and its mask entries' addresses
-        kpos, m_ptrs = _user_tile(Pos, pos_q - q_first, set_first, s_cols, R, m_rows, MK,
+        kpos, m_val = _user_tile(Pos, pos_q - q_first, set_first, s_cols, R, m_rows, MK,
                                   GATHER, MASK_KIND)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(first), count=1)
     if USER:
-        s = _user_scores(s, qk_scale, m_ptrs, MASK_KIND)
+        s = _user_scores(s, qk_scale, m_val, MASK_KIND)
     if CAUSAL:
         if n_tiles == 1:
             s = _on_diagonal(s, 0, query_first, BLOCK_M, BLOCK_N, s_layout)
@@ -550,12 +551,12 @@ def _consume_item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_re
                               is_async=True)
         acc_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
         if USER:
-            kpos, m_ptrs = _user_tile(Pos, pos_q - q_first, set_first, t * BLOCK_N + s_cols, R,
+            kpos, m_val = _user_tile(Pos, pos_q - q_first, set_first, t * BLOCK_N + s_cols, R,
                                       m_rows, MK, GATHER, MASK_KIND)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
         if USER:
-            s = _user_scores(s, qk_scale, m_ptrs, MASK_KIND)
+            s = _user_scores(s, qk_scale, m_val, MASK_KIND)
         if CAUSAL:
             if t == n_tiles - 1:
                 s = _on_diagonal(s, t * BLOCK_N, query_first, BLOCK_M, BLOCK_N, s_layout)
