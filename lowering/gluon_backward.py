@@ -66,10 +66,10 @@ def launch(q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2, delta, pla
     """One branch's gradients, as lowering/triton_kernels.py's dK/dV and dq kernels would leave
     them: dq (float32 [B, Hq, N, D], contiguous) gets this branch's share added (by atomics or
     TMA reductions); dk, dv (float32 [B, Hkv, N, D]) or, when `last`, dk_final, dv_final (k's
-    dtype, any layout with unit column stride) get the key rows of its sets, plus what earlier branches left in dk, dv
-    where `seen` ([Hkv, N] uint8) is set. lse2 = lse * log2 e and delta = rowsum(dout * out),
-    contiguous [B, Hq, N]. mask, seed, dropout_rows, keep_threshold, drop_scale: those of the
-    forward (gluon_forward.launch)."""
+    dtype, any layout with unit column stride) get the key rows of its sets, plus what earlier
+    branches left in dk, dv where `seen` ([Hkv, N] uint8) is set. lse2 = lse * log2 e and
+    delta = rowsum(dout * out), contiguous [B, Hq, N]. mask, seed, dropout_rows,
+    keep_threshold, drop_scale: those of the forward (gluon_forward.launch)."""
     if dout_needs_copy(dout, plan):
         dout = dout.contiguous()
     if mask is not None and mask.dtype == torch.bool:
@@ -157,7 +157,6 @@ def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, fi
     args += [*user_args, *work, buffers[-2] if table is None else table, rounds]
     kwargs = dict(R=r, HEAD_D=d, CAUSAL=bool(is_causal), FIRST=first, LAST=last,
                   ONE_HEAD=group <= r, PARTIAL=partial, CHUNK=chunk, TABLE=table is not None,
-                  PERSISTENT=persistent, DS_SHARED=d >= DS_SHARED_HEAD_D,
-                  DQ_BOX=dq_box, **_TILES, **regs,
-                  **user_kinds)
+                  PERSISTENT=persistent, DS_SHARED=d >= DS_SHARED_HEAD_D, DQ_BOX=dq_box,
+                  **_TILES, **regs, **user_kinds)
     return kern._bwd_kernel, grid, args, kwargs

@@ -270,11 +270,11 @@ def _add_rows(acc, Buf, Final, Seen, seen_idx, krow, cols, final_sn, valid,
 
 @gluon.jit
 def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv_bar, kv_empty,
-                  q_ready, q_empty, do_ready, do_empty, ds_bar, DQx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta,
-                  Pos, qk_scale, sm_scale, q_head_row, q_head_step, kv_head_row, dko_base,
-                  dko_sn, dvo_base, dvo_sn, seen_row, set_row, pos_set, key_first, t0, n_q,
-                  n_heads, count, Mask, MH, MQ, MK, Seed, Rows, b, h, keep_threshold, drop_scale,
-                  it0, item, R: gl.constexpr, CID: gl.constexpr, NW: gl.constexpr,
+                  q_ready, q_empty, do_ready, do_empty, ds_bar, DQx, DQ, DK, DV, DKO, DVO, Seen,
+                  Lse2, Delta, Pos, qk_scale, sm_scale, q_head_row, q_head_step, kv_head_row,
+                  dko_base, dko_sn, dvo_base, dvo_sn, seen_row, set_row, pos_set, key_first, t0,
+                  n_q, n_heads, count, Mask, MH, MQ, MK, Seed, Rows, b, h, keep_threshold,
+                  drop_scale, it0, item, R: gl.constexpr, CID: gl.constexpr, NW: gl.constexpr,
                   BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                   GATHER: gl.constexpr, CAUSAL: gl.constexpr, FIRST: gl.constexpr,
                   LAST: gl.constexpr, CP_ASYNC: gl.constexpr, PARTIAL: gl.constexpr,
@@ -457,20 +457,20 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv
                 else:  # member m of a tile is row tile_row / R + m of the 2-D view
                     _tma_add(DQx, [(tile_row // R).to(gl.int32),
                                    (set_row % R) * HEAD_D + CID * (HEAD_D // 2)], dq_tile)
-            elif GATHER:
+            else:  # added by atomics
                 dq = gl.convert_layout(dq, red_l)
-                dq_pos = gl.load(Pos + pos_set + t * BLOCK_M + dq_members)
-                dq_ptrs = DQ + head_row * HEAD_D + (gl.expand_dims(dq_pos * HEAD_D, 1) + dq_cols)
-            else:
-                dq = gl.convert_layout(dq, red_l)
-                dq_ptrs = DQ + tile_row * HEAD_D + dq_offs
-            if DQ_BOX > 0:
-                pass
-            elif PARTIAL:
-                dq_live = gl.expand_dims(t * BLOCK_M + dq_members < count, 1) & (dq_cols >= 0)
-                gl.atomic_add(dq_ptrs, dq * sm_scale, mask=dq_live, sem="relaxed")
-            else:
-                gl.atomic_add(dq_ptrs, dq * sm_scale, sem="relaxed")
+                if GATHER:
+                    dq_pos = gl.load(Pos + pos_set + t * BLOCK_M + dq_members)
+                    dq_ptrs = DQ + head_row * HEAD_D + (gl.expand_dims(dq_pos * HEAD_D, 1)
+                                                        + dq_cols)
+                else:
+                    dq_ptrs = DQ + tile_row * HEAD_D + dq_offs
+                if PARTIAL:
+                    dq_live = (gl.expand_dims(t * BLOCK_M + dq_members < count, 1)
+                               & (dq_cols >= 0))
+                    gl.atomic_add(dq_ptrs, dq * sm_scale, mask=dq_live, sem="relaxed")
+                else:
+                    gl.atomic_add(dq_ptrs, dq * sm_scale, sem="relaxed")
             lse = lse_n
             dl = dl_n
             if GATHER:
@@ -493,17 +493,16 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv_bar, kv_empty,
-              q_ready, q_empty, do_ready, do_empty, ds_bar, DQx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta, Pos,
-              qk_scale, sm_scale, Table, rounds, items, tiles, segments, thirds, H, HKV, N,
-              GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt, stride_co, stride_cs, DKOB,
-              DKOH, DKON, DVOB, DVOH, DVON, Mask, MB, MH, MQ, MK, Seed, Rows, keep_threshold,
-              drop_scale, R: gl.constexpr, CID: gl.constexpr, NW: gl.constexpr,
-              BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              GATHER: gl.constexpr, CAUSAL: gl.constexpr, FIRST: gl.constexpr,
-              LAST: gl.constexpr, CP_ASYNC: gl.constexpr, PARTIAL: gl.constexpr,
-              MASK_KIND: gl.constexpr, DROPOUT: gl.constexpr, ROWS: gl.constexpr,
-              ONE_HEAD: gl.constexpr, CHUNK: gl.constexpr, TABLE: gl.constexpr,
+def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv_bar, kv_empty, q_ready,
+              q_empty, do_ready, do_empty, ds_bar, DQx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Delta,
+              Pos, qk_scale, sm_scale, Table, rounds, items, tiles, segments, thirds, H, HKV, N,
+              GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt, stride_co, stride_cs, DKOB, DKOH,
+              DKON, DVOB, DVOH, DVON, Mask, MB, MH, MQ, MK, Seed, Rows, keep_threshold, drop_scale,
+              R: gl.constexpr, CID: gl.constexpr, NW: gl.constexpr, BLOCK_M: gl.constexpr,
+              HEAD_D: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr,
+              CAUSAL: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr, CP_ASYNC: gl.constexpr,
+              PARTIAL: gl.constexpr, MASK_KIND: gl.constexpr, DROPOUT: gl.constexpr,
+              ROWS: gl.constexpr, ONE_HEAD: gl.constexpr, CHUNK: gl.constexpr, TABLE: gl.constexpr,
               PERSISTENT: gl.constexpr, DS_SHARED: gl.constexpr, DQ_BOX: gl.constexpr):
     """Consumer CID over the CTA's work items (_bwd_item), in the producer's order: where each
     item's rows lie, then _consume_item."""
@@ -520,8 +519,8 @@ def _consumer(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv_bar
             else:
                 pos_set = 0
             _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv_bar,
-                          kv_empty, q_ready, q_empty, do_ready, do_empty, ds_bar, DQx, DQ, DK, DV, DKO, DVO,
-                          Seen, Lse2, Delta, Pos, qk_scale, sm_scale,
+                          kv_empty, q_ready, q_empty, do_ready, do_empty, ds_bar, DQx, DQ, DK, DV,
+                          DKO, DVO, Seen, Lse2, Delta, Pos, qk_scale, sm_scale,
                           (b * H + h).to(gl.int64) * N, R * N, (b * HKV + g).to(gl.int64) * N,
                           b.to(gl.int64) * DKOB + g.to(gl.int64) * DKOH, DKON,
                           b.to(gl.int64) * DVOB + g.to(gl.int64) * DVOH, DVON, g * N,
@@ -625,17 +624,17 @@ def _bwd_kernel(Qx, Kx, KDx, Vx, DOx, DQx, DQ, DK, DV, DKO, DVO, Seen, Lse2, Del
     # Triton 3.6: the argument tuples must be written inline (lowering/gluon_kernels.py)
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv_bar,
-                     kv_empty, q_ready, q_empty, do_ready, do_empty, ds_bar, DQx, DQ, DK, DV, DKO, DVO, Seen,
-                     Lse2, Delta, Pos, qk_scale, sm_scale, Table, ROUNDS, items, TILES, SEGMENTS,
-                     THIRDS, H, HKV, N, GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt,
+                     kv_empty, q_ready, q_empty, do_ready, do_empty, ds_bar, DQx, DQ, DK, DV, DKO,
+                     DVO, Seen, Lse2, Delta, Pos, qk_scale, sm_scale, Table, ROUNDS, items, TILES,
+                     SEGMENTS, THIRDS, H, HKV, N, GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt,
                      stride_co, stride_cs, DKOB, DKOH, DKON, DVOB, DVOH, DVON, Mask, MB, MH, MQ,
                      MK, Seed, Rows, keep_threshold, drop_scale, R, 0, num_warps, BLOCK_M, HEAD_D,
                      STAGES, GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL, MASK_KIND, DROPOUT,
                      ROWS, ONE_HEAD, CHUNK, TABLE, PERSISTENT, DS_SHARED, DQ_BOX)),
         (_consumer, (q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv_bar,
-                     kv_empty, q_ready, q_empty, do_ready, do_empty, ds_bar, DQx, DQ, DK, DV, DKO, DVO, Seen,
-                     Lse2, Delta, Pos, qk_scale, sm_scale, Table, ROUNDS, items, TILES, SEGMENTS,
-                     THIRDS, H, HKV, N, GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt,
+                     kv_empty, q_ready, q_empty, do_ready, do_empty, ds_bar, DQx, DQ, DK, DV, DKO,
+                     DVO, Seen, Lse2, Delta, Pos, qk_scale, sm_scale, Table, ROUNDS, items, TILES,
+                     SEGMENTS, THIRDS, H, HKV, N, GROUP, NUM_CLASSES, W, stride_po, stride_ps, Cnt,
                      stride_co, stride_cs, DKOB, DKOH, DKON, DVOB, DVOH, DVON, Mask, MB, MH, MQ,
                      MK, Seed, Rows, keep_threshold, drop_scale, R, 1, num_warps, BLOCK_M, HEAD_D,
                      STAGES, GATHER, CAUSAL, FIRST, LAST, CP_ASYNC, PARTIAL, MASK_KIND, DROPOUT,

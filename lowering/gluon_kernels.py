@@ -521,7 +521,7 @@ def _consume_item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_re
         fence_async_shared()
     s_tok = warpgroup_mma(q_tile, k_smem.index(first).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
-    if USER:  # the tile's key positions, and its mask entries' addresses
+    if USER:  # the tile's key positions and mask entries, read while its product runs
         kpos, m_val = _user_tile(Pos, pos_q - q_first, set_first, s_cols, R, m_rows, MK,
                                   GATHER, MASK_KIND)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
