@@ -1,7 +1,8 @@
 """Compile the Hopper (Gluon) kernels for sm_90a without a GPU and print, per configuration,
 ptxas's registers, spills and whether it serialised the wgmma instructions (too few registers
-to keep them asynchronous), so that a kernel change can be checked for compile errors, spilled
-registers and serialised products on the whole-set paths before device time is spent.
+to keep them asynchronous), and the shared memory a CTA takes (an SM has 232,448 bytes), so
+that a kernel change can be checked for compile errors, spilled registers, serialised products
+and shared memory on the whole-set paths before device time is spent.
 
     python -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
     /tmp/t36/bin/python scripts/gluon_compile_check.py --torch-site /path/to/venv/lib/python3.11/site-packages [--repo DIR]
@@ -97,7 +98,8 @@ def main():
             kargs = [a.make(a.source) if isinstance(a, gluon_forward.Descriptor) else a
                      for a in kargs]
             compiled = kernel.warmup(*kargs, grid=grid, **kwargs)
-            print(f"{what:8s} {name:32s} {stats(compiled.asm['ptx'])}", flush=True)
+            print(f"{what:8s} {name:32s} {stats(compiled.asm['ptx'])}, shared memory "
+                  f"{compiled.metadata.shared} B", flush=True)
 
     packed = torch.cat([torch.arange(n) for n in (3000, 1000, 4192)]).view(1, -1)
     case("whole, strided r=2 D=128", 8192, 4096, 2, False, False, 128)
