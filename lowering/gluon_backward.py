@@ -25,10 +25,6 @@ PERSISTENT_HEAD_D = 64  # head dims up to this run the persistent backward
 # the products, 28 against 116 bytes spilled in the strided configuration), at D = 64 3% slower
 # (H200, BENCHMARKS.md)
 DS_SHARED_HEAD_D = 128
-# dq's tiles of sets the producer copies by TMA (strided, runs) are added by TMA reductions
-# from shared memory rather than by atomics from registers: the backward 5 to 12% faster at
-# D = 128, 2 to 9% at D = 64 causal in the identity order (H200, BENCHMARKS.md)
-DQ_TMA = True
 _TILES = dict(BLOCK_M=64, STAGES=2)
 # producer: one warp issuing TMA copies, or two issuing cp.async ones; with 40 registers for the
 # cp.async producer (232 for consumers) the backward took 13.97 ms against 14.35 with the forward's
@@ -133,8 +129,11 @@ def prepare(q, k, v, dout, plan, positions, *, is_causal: bool, scale: float, fi
         tensors = [q_ref, k_ref, k_ref, v_ref, do_ref]
         coords = [s for x in (q, k, v, dout) for s in (*x.stride()[:3], 0)]
         regs = dict(GATHER=True, RUN=0, **_GATHER_PRODUCER)
-    # DQ_BOX: rows of dq's reduction boxes (its view is the forward's 2-D view of dq), or 0
-    dq_box = ((run or bm) if DQ_TMA and (plan.is_strided or run) and not partial
+    # dq's tiles of sets the producer copies by TMA (strided, runs) are added by TMA reductions
+    # from shared memory rather than by atomics from registers: the backward 5 to 12% faster at
+    # D = 128, 2 to 9% at D = 64 causal in the identity order (H200, BENCHMARKS.md). DQ_BOX:
+    # the rows of a reduction's box in dq's 2-D view (the forward's _view), or 0 for atomics.
+    dq_box = ((run or bm) if (plan.is_strided or run) and not partial
               and b * hq * n // r < 2**31 else 0)
     tensors.append(gluon_forward.Descriptor(buffers[0], r, [dq_box, d // 2]) if dq_box
                    else buffers[0])

@@ -38,7 +38,6 @@ import logging
 import torch
 
 from . import plans
-from .plans import whole_sets as _whole_sets
 from .triton_plans import plan_tensors
 from .tuning import PlanCache, tuning
 
@@ -176,7 +175,7 @@ def _descriptor_class():
 def partial_sets(plan) -> bool:
     """Whether the plan's sets may hold fewer than w / r members (packed rows, padding, N % w
     != 0): the kernels then read each set's count and gather its members by cp.async."""
-    return not _whole_sets(plan)
+    return not plans.whole_sets(plan)
 
 
 def set_tiles(plan, rows: int) -> int:
@@ -210,7 +209,7 @@ def plan_run(plan) -> int:
 
 def _longest_run(plan) -> int:
     r, m = plan.dilation_rate, plan.set_size
-    if plan.hilbert is not None and _whole_sets(plan):
+    if plan.hilbert is not None and plans.whole_sets(plan):
         # every set is a segment's first row plus its class's in-segment positions: the runs
         # are the table's, found on the host without reading positions from the GPU (a packed
         # batch's plans are new each batch, and each read would wait for the GPU)

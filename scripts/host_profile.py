@@ -481,9 +481,10 @@ def stub(lw, hopper: bool):
     package = lw.__name__.rsplit(".", 1)[0]
     gf = importlib.import_module(package + ".gluon_forward")
     gb = importlib.import_module(package + ".gluon_backward")
+    whole_sets = importlib.import_module(package + ".plans").whole_sets
     if hopper:
         def unsupported(q, k, v, plan, is_causal, mask_kind, dropout, scale, *rest):
-            if (plan.segment_length // plan.dilation_rate) % 128 or not gf._whole_sets(plan):
+            if (plan.segment_length // plan.dilation_rate) % 128 or not whole_sets(plan):
                 return "stub: Triton kernels"
             return None
         gf._unsupported = unsupported

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from hilbert_fx.lowering import gluon_forward, triton_launch, triton_lowering, tuning  # noqa: E402
-from hilbert_fx.lowering.plans import branch_plans  # noqa: E402
+from hilbert_fx.lowering.plans import branch_plans, whole_sets  # noqa: E402
 from hilbert_fx.lowering.triton_launch import Q, K, V, OUT, ACC, LSE, NUM_SLOTS  # noqa: E402
 
 # ----------------------------------------------------------------------------- stand-ins
@@ -370,7 +370,7 @@ def test_hopper_launches_read_the_layouts_they_are_given(hilbert, monkeypatch):
     backward copies: its coordinates (OA..OD) are those of the copy's layout, and every launch
     after the first passes what the first passed, for each call's tensors."""
     fwd, bwd = _hopper_stand_ins(monkeypatch, lambda q, k, v, plan, *a: None
-                                 if gluon_forward._whole_sets(plan) else "stand-in: Triton kernels")
+                                 if whole_sets(plan) else "stand-in: Triton kernels")
     n, d = 256, 64
     plans = branch_plans(n, [128, 256], [1, 2], hilbert)
     kw = dict(is_causal=True, attn_mask=None, scale=0.125)

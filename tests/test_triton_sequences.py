@@ -18,7 +18,7 @@ if not torch.cuda.is_available():  # Triton can only run interpreted here (SPEC 
 
 import hilbert_fx  # noqa: E402
 from hilbert_fx.lowering import gluon_forward, sdpa_lowering, tuning  # noqa: E402
-from hilbert_fx.lowering.plans import BranchPlan, branch_plan  # noqa: E402
+from hilbert_fx.lowering.plans import BranchPlan, branch_plan, whole_sets  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_op_exact import _PoisonedTorch, assert_matches, common_scale, require_lowering  # noqa: E402
@@ -201,10 +201,10 @@ def test_hopper_refuses_incomplete_plans_from_fields():
     n, w, r = 256, 128, 1
     base = branch_plan(n, w, r, False)
     meta = BranchPlan(w, r, n, base.positions.to("meta"), base.counts.to("meta"), strided=True)
-    assert gluon_forward._whole_sets(meta)
+    assert whole_sets(meta)
     padded = BranchPlan(w, r, n, base.positions.to("meta"), base.counts.to("meta"),
                         strided=False, complete=False)
-    assert not gluon_forward._whole_sets(padded)
+    assert not whole_sets(padded)
 
 
 @pytest.mark.parametrize("n", [96, 100, 128, 200, 256])
@@ -226,4 +226,4 @@ def test_whole_sets_from_fields_agree_with_counts(n, w, r, hilbert):
     plans += packed_plans(n, [(0, n // 2), (n // 2, n - n // 2)], [w], [r], hilbert)
     plans += packed_plans(n, [(0, n // 2 - 3), (n // 2, n - n // 2)], [w], [r], hilbert)
     for p in plans:
-        assert gluon_forward._whole_sets(p) == by_counts(p)
+        assert whole_sets(p) == by_counts(p)
