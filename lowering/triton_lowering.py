@@ -734,6 +734,9 @@ class _Backward:
         # instead when like_inputs), and the float32 sums of the branches before it; those not
         # written are empty tensors made once
         contiguous_kv = covers and not self.like_inputs
+        # dq summed in float32 where every row is covered: cast into q's layout by a launch
+        # of its own after the branches (`_cast_dq`), as dk, dv are written in theirs
+        self.cast_dq = covers and dq_zeroed
         self.final = [((b, hq, n, d), q.dtype, covers and not dq_zeroed),
                       ((b, hkv, n, d), q.dtype, contiguous_kv),
                       ((b, hkv, n, dv), q.dtype, contiguous_kv)]
@@ -811,6 +814,13 @@ class _Backward:
                 call.constexprs(br, b * hq, FIRST=first and not dq_zeroed,
                                 LAST=last and not dq_zeroed, WIDE=wide),
                 q_cfg, lambda cfg, br=br: br.grid(cfg.block_m, b * hq), True))
+        if self.cast_dq:
+            cast_m = 16 if call.interpreted else 64
+            q_like = torch.empty_like(q, device="meta").stride()
+            self.steps.append(Launch(
+                kern._cast_dq, [DQ, DQ_FINAL, *q_like, hq, n],
+                dict(HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_M=cast_m),
+                (_cdiv(n, cast_m), b * hq)))
         self.written = None
         if not covers:  # no branch has every row: rows none wrote are 0
             self.written = seen_rows(order)
@@ -841,6 +851,8 @@ class _Backward:
         if self.like_inputs:
             like = torch.zeros_like if self.zeroed else torch.empty_like
             grads[1:] = like(k, dtype=self.dtypes[0]), like(v, dtype=self.dtypes[0])
+        if self.cast_dq:  # every row of it written by `_cast_dq`
+            grads[0] = torch.empty_like(q, dtype=self.dtypes[0])
         bufs[DQ_FINAL.index], bufs[DK_FINAL.index], bufs[DV_FINAL.index] = grads
         if self.alone:  # one branch, FIRST and LAST: the gradients written in place
             bufs[DK.index], bufs[DV.index] = grads[1:]
@@ -850,11 +862,8 @@ class _Backward:
         stream = launch_stream(device, self.knobs)
         for step in self.steps:
             step(bufs, stream)
-        if not self.dq_zeroed and self.covers:
+        if self.covers:
             return tuple(grads)
-        if self.covers:  # dq summed in float32: cast into q's layout, as dk, dv are in theirs
-            dq_final = torch.empty_like(q, dtype=self.dtypes[0])
-            return dq_final.copy_(dq), grads[1], grads[2]
         keep_q, keep_kv = (bufs[w.index] if type(w) is Slot else w for w in self.written)
         keep_q, keep_kv = keep_q[:, :, None] != 0, keep_kv[:, :, None] != 0
         dq = dq if self.dq_zeroed else torch.where(keep_q, dq, 0.0)

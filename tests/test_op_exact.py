@@ -66,13 +66,17 @@ def common_scale(*tensors):
     return max([1.0] + [t.detach().abs().max().item() for t in tensors if t.numel()])
 
 
-def run_both(cfg, dtype=torch.float32, lowering="sdpa", grads=True):
-    """Draw inputs from cfg, run op and reference; return (outputs, grads) of each."""
+def run_both(cfg, dtype=torch.float32, lowering="sdpa", grads=True, transposed=False):
+    """Draw inputs from cfg, run op and reference; return (outputs, grads) of each.
+    transposed: q, k, v laid out as [B, N, H, D] in memory, as a model's projections give them."""
     torch.manual_seed(cfg["seed"])
     B, Hq, Hkv, N, D = cfg["B"], cfg["Hq"], cfg["Hkv"], cfg["N"], cfg["D"]
-    q = torch.randn(B, Hq, N, D, dtype=dtype, requires_grad=grads)
-    k = torch.randn(B, Hkv, N, D, dtype=dtype, requires_grad=grads)
-    v = torch.randn(B, Hkv, N, D, dtype=dtype, requires_grad=grads)
+
+    def draw(h):
+        x = torch.randn(B, N, h, D, dtype=dtype).transpose(1, 2) if transposed \
+            else torch.randn(B, h, N, D, dtype=dtype)
+        return x.requires_grad_(grads)
+    q, k, v = draw(Hq), draw(Hkv), draw(Hkv)
     kw = dict(hilbert=cfg["hilbert"], is_causal=cfg["causal"], scale=cfg["scale"],
               enable_gqa=cfg["gqa"])
     mask = cfg["mask"]
@@ -471,6 +475,24 @@ def test_triton_backward_orders(cfg, atomic_dq, monkeypatch):
     sc = common_scale(ref, *g_ref)
     for name, a, b in zip("qkv", g_out, g_ref):
         assert_matches(a, b, f"d{name}", scale=sc)
+
+
+def test_triton_dq_summed_in_float32_reaches_q_layout(monkeypatch):
+    """dq summed by atomics in a float32 buffer is cast into q's dtype and layout by its own
+    launch (triton_kernels._cast_dq): q, k, v transposed as [B, N, H, D] in memory, the
+    gradients against the reference and laid out as their inputs."""
+    require_lowering("triton")
+    from hilbert_fx.lowering import tuning
+    monkeypatch.setenv("HILBERT_FX_TRITON_ATOMIC_DQ", "1")
+    monkeypatch.setattr(tuning, "_current", None)
+    cfg = _cfg(N=45, segs=[8, 18, 40], rates=[1, 2, 4], B=2, Hq=4, Hkv=2, gqa=True, D=8,
+               causal=True)
+    out, ref, g_out, g_ref = run_both(cfg, lowering="triton", transposed=True)
+    assert_matches(out, ref, "out")
+    sc = common_scale(ref, *g_ref)
+    for name, a, b in zip("qkv", g_out, g_ref):
+        assert_matches(a, b, f"d{name}", scale=sc)
+    assert g_out[0].stride() == (45 * 4 * 8, 8, 4 * 8, 1)  # q's: [B, N, H, D] in memory
 
 
 @pytest.mark.parametrize("cfg", TRITON_ORDERS, ids=lambda c: f"N{c['N']}-{c['segs']}-{c['rates']}")
