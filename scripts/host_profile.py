@@ -474,7 +474,7 @@ class _Allocations:
 def stub(lw, hopper: bool):
     """Replaces the launches of lowering module `lw` (and its Hopper modules) by stand-ins."""
     real = lw._kernels()
-    names = [n for n in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_preprocess")]
+    names = ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_preprocess", "_cast_dq")
     kernels = types.SimpleNamespace(**{n: _StandInKernel(getattr(real, n), n) for n in names})
     lw._kernels = lambda: kernels
     lw.torch = allocations = _Allocations()

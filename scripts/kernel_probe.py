@@ -3,17 +3,21 @@ compares kernel changes by: one line per configuration, medians of CUDA-event ti
 
     python scripts/kernel_probe.py TAG [--configs NAME ...] [--calls 30] [--forward-only]
 
-To compare two versions of the code, run it from each checkout in alternating processes on one
-machine (`for i in 1 2; do (cd old && python scripts/kernel_probe.py old); python
-scripts/kernel_probe.py new; done`): the GPU's clocks move between calls and machines by more
-than most changes (BENCHMARKS.md, "rounds"). The backward is timed as autograd's gradient of one
-forward's output, so it includes the preprocessing and dq's conversion. Lines are appended to
+To compare two versions of the code, name the other one's lowering/ with --against DIR:PACKAGE
+(`git archive REV lowering | tar -x -C DIR && mv DIR/lowering DIR/lowering_old`, then
+`--against DIR:lowering_old`): both lowerings are then called directly (triton_lowering's forward
+and backward) in one process, in turns of 10 calls, --rounds turns each, and the lines give the
+medians of the turns and their ratio. The GPU's clocks move between processes and machines by
+more than most changes (BENCHMARKS.md, "rounds"), and within a process they move for both alike.
+Without --against, the backward is timed as autograd's gradient of one forward's output; either
+way it includes the preprocessing and dq's conversion. Lines are appended to
 $OUT/kernel_probe.txt as well. bf16, B = 1, H = 16; "id" is the identity order, else Hilbert.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -56,6 +60,48 @@ def probe(name: str, calls: int, forward_only: bool) -> tuple[float, float]:
     return fwd, bwd
 
 
+def _lowering(package: str):
+    """(triton_lowering, plans) of a lowering package: this tree's, or another copy's modules
+    loaded without its package's __init__ (which would register the op a second time)."""
+    import importlib
+    import types
+    if ":" in package:
+        where, package = package.split(":")
+        module = types.ModuleType(package)
+        module.__path__ = [os.path.join(os.path.abspath(where), package)]
+        sys.modules[package] = module
+    return (importlib.import_module(package + ".triton_lowering"),
+            importlib.import_module(package + ".plans"))
+
+
+def against(name: str, other: str, rounds: int, forward_only: bool) -> list[str]:
+    """Lines comparing this tree's lowering (new) with `other` (old), timed in turns."""
+    d, n, causal, hilbert, (w, r) = CONFIGS[name]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    kw = dict(is_causal=causal, attn_mask=None, scale=d ** -0.5)
+    calls = {}
+    for tag, package in (("old", other), ("new", "hilbert_fx.lowering")):
+        lw, plans = _lowering(package)
+        branches = plans.branch_plans(n, w, r, hilbert, q.device)
+        out, lse = lw.forward(q, k, v, branches, **kw)
+        dout = torch.randn_like(out)
+        calls[tag] = (
+            lambda lw=lw, b=branches: lw.forward(q, k, v, b, **kw),
+            lambda lw=lw, b=branches, out=out, lse=lse, dout=dout: lw.backward(
+                dout, q, k, v, out, lse, b, **kw))
+    lines = []
+    for what in (0,) if forward_only else (0, 1):
+        turns = {"old": [], "new": []}
+        for _ in range(rounds):
+            for tag in turns:
+                turns[tag].append(median_ms(calls[tag][what], 10))
+        old, new = (statistics.median(turns[t]) for t in ("old", "new"))
+        lines.append(f"{name:18s} {('forward', 'backward')[what]:8s} old {old:.3f} ms  "
+                     f"new {new:.3f} ms  new/old {new / old:.3f}")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,6 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument("--against", default=None, help="DIR:PACKAGE, another copy of lowering/")
+    ap.add_argument("--rounds", type=int, default=10, help="turns of each, with --against")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_probe: needs a CUDA GPU", file=sys.stderr)
@@ -70,11 +118,15 @@ def main(argv=None) -> int:
     out_dir = os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
     for name in args.configs:
-        fwd, bwd = probe(name, args.calls, args.forward_only)
-        line = f"{args.tag:10s} {name:18s} forward {fwd:.3f} ms  backward {bwd:.3f} ms"
-        print(line, flush=True)
-        with open(os.path.join(out_dir, "kernel_probe.txt"), "a") as f:
-            f.write(line + "\n")
+        if args.against:
+            lines = against(name, args.against, args.rounds, args.forward_only)
+        else:
+            fwd, bwd = probe(name, args.calls, args.forward_only)
+            lines = [f"{args.tag:10s} {name:18s} forward {fwd:.3f} ms  backward {bwd:.3f} ms"]
+        for line in lines:
+            print(line, flush=True)
+            with open(os.path.join(out_dir, "kernel_probe.txt"), "a") as f:
+                f.write(line + "\n")
     return 0
 
 
