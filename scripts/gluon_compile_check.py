@@ -106,6 +106,7 @@ def main():
     case("whole, Hilbert runs r=2 D=128 causal", 8192, 4096, 2, True, True, 128)
     case("whole, gathered r=4 D=128", 8192, 4096, 4, True, False, 128, first=False, last=True)
     case("whole, gathered r=4 D=64 causal", 8192, 4096, 4, True, True, 64)
+    case("whole, gathered r=4 D=128 causal", 8192, 4096, 4, True, True, 128, first=False)
     # a branch between the first and the last (merging into Acc, writing Acc): the Llama step's
     case("whole, strided r=2 D=64 causal, middle", 32768, 4096, 2, False, True, 64, first=False)
     # launches of more items than SMs: the persistent loops (round-robin; the causal table)
