@@ -33,7 +33,8 @@ lowering/triton_kernels.py's _add_rows does: float32 buffers DK, DV read only at
 branch wrote (Seen), a LAST branch writing DKO, DVO in k's dtype. Key rows of different programs
 never overlap within a launch (query heads of a kv head that share an offset h % r are one
 program's loop), so dK and dV need no atomics; dq does, and is not bitwise repeatable.
-Causal: a key tile's query tiles start at its diagonal, whose two tiles are masked. A user's
+Causal: a key tile's query tiles start at its diagonal; the mask is applied to every tile
+(without a branch), though only the diagonal's two hold keys after their query. A user's
 mask and dropout: P from the scores with the mask's entries (read while S^T and dP^T run), and
 dropout's keep bits drawn as the forward drew them (lowering/gluon_kernels.py).
 """

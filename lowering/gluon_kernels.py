@@ -523,7 +523,7 @@ def _consume_item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_re
                           is_async=True)
     if USER:  # the tile's key positions and mask entries, read while its product runs
         kpos, m_val = _user_tile(Pos, pos_q - q_first, set_first, s_cols, R, m_rows, MK,
-                                  GATHER, MASK_KIND)
+                                 GATHER, MASK_KIND)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(first), count=1)
     if USER:
@@ -552,7 +552,7 @@ def _consume_item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_re
         acc_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
         if USER:
             kpos, m_val = _user_tile(Pos, pos_q - q_first, set_first, t * BLOCK_N + s_cols, R,
-                                      m_rows, MK, GATHER, MASK_KIND)
+                                     m_rows, MK, GATHER, MASK_KIND)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
         if USER:

@@ -763,7 +763,7 @@ class _Backward:
         every_q = torch.ones(hq, n, dtype=torch.uint8, device=q.device) \
             if dq_zeroed and not atomic and not all(hopper) else nothing
         wide = n * max(_block_d(d), _block_d(dv)) >= INT32_OFFSET_LIMIT
-        pre_m = 16 if call.interpreted else 64
+        pre_m = 16 if call.interpreted else 64  # rows a program of the preprocessing, dq's cast
         self.steps.append(Launch(
             kern._bwd_preprocess,
             [OUT_IN, DOUT, LSE_IN, DELTA, LSE2, DQ, *out.stride(), *call.dout.stride(), hq, n],
@@ -815,12 +815,10 @@ class _Backward:
                                 LAST=last and not dq_zeroed, WIDE=wide),
                 q_cfg, lambda cfg, br=br: br.grid(cfg.block_m, b * hq), True))
         if self.cast_dq:
-            cast_m = 16 if call.interpreted else 64
             q_like = torch.empty_like(q, device="meta").stride()
             self.steps.append(Launch(
                 kern._cast_dq, [DQ, DQ_FINAL, *q_like, hq, n],
-                dict(HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_M=cast_m),
-                (_cdiv(n, cast_m), b * hq)))
+                dict(HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_M=pre_m), (_cdiv(n, pre_m), b * hq)))
         self.written = None
         if not covers:  # no branch has every row: rows none wrote are 0
             self.written = seen_rows(order)
