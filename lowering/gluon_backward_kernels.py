@@ -413,7 +413,7 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv
             # lane % 4 in wgmma's layout, one value a thread) plus a register's (constants):
             # compared so, the indices take no registers, where 16 a thread, hoisted out of the
             # loop, spilled (D = 128: runs 36 against 116 bytes, gathered 184 against 212); the
-            # causal backward 4.4% faster at 16K, 3.0% at 64K (H200, BENCHMARKS.md)
+            # causal backward 2.3% faster at 16K, 1.8% at 64K (H200, BENCHMARKS.md)
             if CAUSAL or PARTIAL:
                 members = gl.arange(0, BLOCK_M, layout=col_l)
                 lane = members & 6
