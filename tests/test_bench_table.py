@@ -33,3 +33,28 @@ def test_host_bench_runs_on_cpu(capsys):
     for cell in cells:
         cpu, elapsed = (float(x) for x in cell.split("/"))
         assert cpu > 0 and elapsed >= cpu * 0.5
+
+
+def test_per_branch_pairs_launches_by_branch():
+    """scripts/profile_kernels.py --per-branch: our kernels (in the forward's order, r == 1
+    last) and the floor's (forwards in the branches' order, backwards reversed) paired by
+    branch; None when a branch ran on other kernels (counts differ)."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parent.parent / "scripts" / "profile_kernels.py"
+    spec = importlib.util.spec_from_file_location("profile_kernels", path)
+    pk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pk)
+    ours = [("fill", 2.0), ("_fwd_kernel", 20.0), ("_fwd_kernel", 40.0), ("_fwd_kernel", 10.0),
+            ("_bwd_preprocess", 5.0), ("_bwd_kernel", 21.0), ("_bwd_kernel", 41.0),
+            ("_bwd_kernel", 11.0), ("_cast_dq", 3.0)]
+    floor = [("Memset", 1.0), ("sdpa_flash_fprop_a", 12.0), ("sdpa_flash_fprop_b", 22.0),
+             ("sdpa_flash_fprop_c", 42.0), ("dot_do_o", 1.0), ("sdpa_flash_bprop", 43.0),
+             ("sdpa_flash_bprop", 23.0), ("convert_dq", 1.0), ("sdpa_flash_bprop", 13.0)]
+    order = [(512, 2), (1024, 4), (256, 1)]
+    branches = [(256, 1), (512, 2), (1024, 4)]
+    assert pk.per_branch(ours, floor, order, branches) == [
+        ((256, 1), 10.0, 12.0, 11.0, 13.0), ((512, 2), 20.0, 22.0, 21.0, 23.0),
+        ((1024, 4), 40.0, 42.0, 41.0, 43.0)]
+    triton_backward = [(n.replace("_bwd_kernel", "_bwd_dkdv_kernel"), us) for n, us in ours]
+    assert pk.per_branch(triton_backward, floor, order, branches) is None
