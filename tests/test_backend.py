@@ -66,7 +66,8 @@ def test_backend_rejects_bad_configuration():
 @pytest.mark.parametrize("hilbert", [False, True])
 @pytest.mark.parametrize("case", ["causal", "padding_mask", "gqa"])
 def test_compiled_model_matches_reference_forward_and_backward(case, hilbert):
-    torch.manual_seed(hash((case, hilbert)) % 1000)
+    # a seed fixed per case (str hashes change from process to process)
+    torch.manual_seed(10 * ["causal", "padding_mask", "gqa"].index(case) + hilbert)
     causal = case != "padding_mask"
     model = TinyTransformer(width=32, heads=4, layers=2, causal=causal,
                             kv_heads=2 if case == "gqa" else None)

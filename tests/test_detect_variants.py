@@ -426,8 +426,18 @@ def v_strict_arange(m, x, keep):  # j < i: the diagonal is forbidden, so not the
     q, k, v = project(x, m.w)
     s = q @ k.transpose(-1, -2) * SCALE
     i, j = torch.arange(x.shape[1])[:, None], torch.arange(x.shape[1])[None, :]
-    s = torch.where(j < i, s, NEG)
-    return merge(torch.nan_to_num(s.softmax(-1)) @ v)
+    s = torch.where((j < i) | (i + j == 0), s, NEG)  # the first query keeps its own key
+    return merge(s.softmax(-1) @ v)
+
+
+def strict_mask(n):
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    return (j < i) | (i + j == 0)
+
+
+def shifted_mask(n):
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    return j - 1 <= i
 
 
 def v_shifted_arange(m, x, keep):  # j <= i + 1: one step past the diagonal
@@ -438,19 +448,22 @@ def v_shifted_arange(m, x, keep):  # j <= i + 1: one step past the diagonal
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_near_causal_triangles_are_not_taken_for_causal(dynamic):
-    model = Variant(v_shifted_arange).eval()
+@pytest.mark.parametrize("fn,allowed", [(v_shifted_arange, shifted_mask),
+                                        (v_strict_arange, strict_mask)])
+def test_near_causal_triangles_are_not_taken_for_causal(fn, allowed, dynamic):
+    """One step past the diagonal, or short of it: the op gets the triangle as a mask (not
+    is_causal), and computes the attention that mask allows (the float64 reference)."""
+    model = Variant(fn).eval()
     x, keep = inputs(1, n=21)
     torch._dynamo.reset()
     rec = Recorder()
-    torch.compile(model, backend=rec, dynamic=dynamic, fullgraph=True)(x, keep)
+    out = torch.compile(model, backend=rec, dynamic=dynamic, fullgraph=True)(x, keep)
     (call,) = op_calls(rec)
     assert call.args[6] is False and call.args[7] is not None
-    model = Variant(v_strict_arange).eval()
-    torch._dynamo.reset()
-    rec = Recorder()
-    torch.compile(model, backend=rec, dynamic=dynamic, fullgraph=True)(x, keep)
-    assert all(c.args[6] is False for c in op_calls(rec))
+    q, k, v = project(x.double(), model.w.double())
+    expected = merge(reference_dilated_attention(q, k, v, W, R, hilbert=True,
+                                                 attn_mask=allowed(x.shape[1])))
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("fn", [v_softmax_module_dropout_module, v_functional_dropout])

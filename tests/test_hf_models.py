@@ -258,6 +258,8 @@ def test_t5_in_training_keeps_its_learned_position_bias_and_says_why():
     model, _ = t5("eager")
     report = hilbert_fx.explain(model.train(), **inputs("t5", False),
                                 backend=hilbert_fx.backend(**IDENTITY, lowering="sdpa"))
+    self_attention = [s for s in report.sites if "SelfAttention" in s.module]
+    assert len(report.sites) == 3 * LAYERS and len(self_attention) == 2 * LAYERS, report
     for s in report.sites:
         assert s.action == "skipped"
         assert ("requires grad" in s.reason) if "SelfAttention" in s.module else (

@@ -138,7 +138,12 @@ def test_new_documents_compile_nothing():
                                for d in docs], 1)
         torch.testing.assert_close(packed, alone, atol=ATOL, rtol=RTOL)
     assert len(be.records) == 1, [[s.sequences for s in r.sites] for r in be.records]
-    assert all(s.sequences is not None for s in be.records[0].sites)
+    assert [(s.action, "packed" in s.sequences.what) for s in be.records[0].sites] == [
+        ("rewritten", True)] * LAYERS, described(be)
+    with torch.no_grad():  # the pattern matters at these lengths
+        dense = model(input_ids=docs[-1], use_cache=False).logits
+        last = compiled_alone(input_ids=docs[-1], use_cache=False).logits
+    assert (last - dense).abs().max() > 1e-3
 
 
 def test_packed_documents_under_gradient_checkpointing():
@@ -195,7 +200,10 @@ def test_padded_rows_equal_each_row_alone(family, side):
         for b, row in enumerate(rows):
             alone = compiled(input_ids=row).logits[0]
             torch.testing.assert_close(batch[b][mask[b].bool()], alone, atol=ATOL, rtol=RTOL)
-    assert all(s.action == "rewritten" and s.attn_mask is None and "padding" in s.sequences.what
+        dense = model(input_ids=rows[1]).logits[0]  # the pattern matters at these lengths
+    assert (alone - dense).abs().max() > 1e-3
+    assert [s.action for s in batch_sites] == ["rewritten"] * LAYERS, described(be)
+    assert all(s.attn_mask is None and "padding" in s.sequences.what
                for s in batch_sites), described(be)
 
 
