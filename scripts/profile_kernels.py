@@ -38,8 +38,8 @@ def _inputs(n: int, d: int = 128):
             for _ in range(3)]
 
 
-def kernel_table(step, steps: int = 5) -> tuple[list[tuple[str, float, int]], float]:
-    """[(kernel name, ms per step, launches per step)], total ms per step."""
+def gpu_events(step, steps: int) -> list:
+    """The GPU events of `steps` steps after three of warm-up, in launch order."""
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -47,26 +47,23 @@ def kernel_table(step, steps: int = 5) -> tuple[list[tuple[str, float, int]], fl
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
+def kernel_table(step, steps: int = 5) -> tuple[list[tuple[str, float, int]], float]:
+    """[(kernel name, ms per step, launches per step)], total ms per step."""
     times, calls = defaultdict(float), defaultdict(int)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            times[ev.name[:70]] += ev.device_time / 1000.0
-            calls[ev.name[:70]] += 1
+    for ev in gpu_events(step, steps):
+        times[ev.name[:70]] += ev.device_time / 1000.0
+        calls[ev.name[:70]] += 1
     rows = sorted(((k, t / steps, calls[k] // steps) for k, t in times.items()), key=lambda r: -r[1])
     return rows, sum(r[1] for r in rows)
 
 
 def launch_times(step, steps: int = 5) -> list[tuple[str, float]]:
     """[(kernel name, us)] of one step's GPU launches in launch order, medians over `steps`."""
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
+    events = gpu_events(step, steps)
     per, rest = divmod(len(events), steps)
     if rest:
         raise RuntimeError(f"{len(events)} launches in {steps} steps: the steps differ")
