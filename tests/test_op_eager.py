@@ -19,6 +19,7 @@ if not torch.cuda.is_available():  # Triton can only run interpreted here (SPEC 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import hilbert_fx  # noqa: E402
+from hilbert_fx.lowering import dropout  # noqa: E402
 from hilbert_fx.lowering import op as op_module  # noqa: E402
 from hilbert_fx.lowering import sdpa_lowering  # noqa: E402
 
@@ -355,6 +356,20 @@ def test_checkpointing_keeps_the_forward_s_dropout(use_reentrant):
     assert torch.equal(out, want)
     for a, b in zip(g, want_g):
         assert torch.equal(a, b)
+    # and both are dropout with the seed drawn after manual_seed(3): the float64 reference's
+    torch.manual_seed(3)
+    seed = dropout.new_seed(torch.device("cpu"))
+    (b, h, n, _), p = q.shape, kw["dropout_p"]
+    at = torch.arange(n)
+    keep = dropout.keep_mask(seed, torch.arange(b).view(b, 1, 1, 1),
+                             torch.arange(h).view(1, h, 1, 1), at.view(1, 1, n, 1),
+                             at.view(1, 1, 1, n), p)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_kw = {name: value for name, value in kw.items() if name != "dropout_p"}
+    ref = reference_dilated_attention(q64, k64, v64, dropout_p=p, dropout_keep=keep, **ref_kw)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g, torch.autograd.grad(ref.sum(), (q64, k64, v64))):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-4)
 
 
 def test_errors_are_the_front_s_on_both_paths():
