@@ -184,3 +184,24 @@ def test_dropout_in_a_checkpointed_region_keeps_its_mask_in_the_backward():
     (out, grad), (out_ckpt, grad_ckpt) = results
     torch.testing.assert_close(out_ckpt, out)
     torch.testing.assert_close(grad_ckpt, grad)
+    report = hilbert_fx.explain(model, x, backend=hilbert_fx.backend((8,), (1,), lowering="sdpa"))
+    assert [s.action for s in report.sites] == ["rewritten"], report
+    # the gradient is the derivative of the forward with its own mask: a central difference
+    # along a random direction, each side drawing the same seed (float64 weights and input)
+    model64 = copy.deepcopy(attention).double()
+    torch._dynamo.reset()
+    compiled = torch.compile(model64, backend=hilbert_fx.backend((8,), (1,), lowering="sdpa"))
+
+    def loss(weight):
+        with torch.no_grad():
+            model64.qkv.weight.copy_(weight)
+        torch.manual_seed(5)
+        return compiled(x.double()).square().sum()
+    weight = model64.qkv.weight.detach().clone()
+    model64.qkv.weight.grad = None
+    loss(weight).backward()
+    direction = torch.randn_like(weight)
+    eps = 1e-6
+    slope = (loss(weight + eps * direction) - loss(weight - eps * direction)) / (2 * eps)
+    torch.testing.assert_close((model64.qkv.weight.grad * direction).sum(), slope.detach(),
+                               rtol=1e-5, atol=1e-8)
