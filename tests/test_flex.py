@@ -10,6 +10,8 @@ op's own tests and by tests/test_hf_sequences.py's packed documents.
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -153,11 +155,22 @@ def test_transformers_flex_attention_padded_rows_equal_each_row_alone():
     torch._dynamo.reset()
     be = recording_backend(W, R)
     compiled = torch.compile(model, backend=be)
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        out = reference_dilated_attention(query, key, value, W, R, hilbert=True, is_causal=True,
+                                          scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    transformers.AttentionInterface.register("hilbert_fx_flex_reference", attention)
+    transformers.AttentionMaskInterface.register("hilbert_fx_flex_reference",
+                                                 transformers.masking_utils.sdpa_mask)
+    reference = copy.deepcopy(model).double()  # its own config: the attention set below
+    reference.config._attn_implementation = "hilbert_fx_flex_reference"
     with torch.no_grad():
         batch = compiled(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
         batch_sites = recorded_sites(be)
         for b, row in enumerate(rows):
             alone = compiled(input_ids=row).logits[0]
             torch.testing.assert_close(batch[b][mask[b].bool()], alone, atol=2e-5, rtol=1e-4)
+            expected = reference(input_ids=row).logits[0]  # the row alone, float64 reference
+            torch.testing.assert_close(alone.double(), expected, atol=2e-5, rtol=1e-4)
     assert [(s.kind, s.action) for s in batch_sites] == [("flex", "rewritten")] * 2, batch_sites
     assert all("padding" in s.sequences.what for s in batch_sites)
