@@ -117,9 +117,8 @@ def branch_report(n: int, causal: bool) -> list[str]:
         lines.append(f"\n== {label}: each launch of a forward+backward, us")
         lines += [f"  {us:9.1f}  {name[:100]}" for name, us in launches[label]]
     plans = branch_plans(n, SEGS, RATES, True, q.device)
-    key = {id(p): (p.segment_length, p.dilation_rate) for p in plans}
-    order = [key[id(p)] for p in forward_order(plans)[0]]
-    rows = per_branch(launches["ours"], launches["floor"], order, [key[id(p)] for p in plans])
+    order = [(p.segment_length, p.dilation_rate) for p in forward_order(plans)[0]]
+    rows = per_branch(launches["ours"], launches["floor"], order, list(zip(SEGS, RATES)))
     if rows is None:
         lines.append("\n(launch counts differ from one kernel a branch: no table by branch)")
         return lines

@@ -92,3 +92,21 @@ def recording_backend(segment_lengths, dilation_rates):
 
 def recorded_sites(be):
     return [s for record in be.records for s in record.sites]
+
+
+def register_reference_attention(segment_lengths, dilation_rates, hilbert):
+    """A transformers attention implementation that runs the float64 reference (causal, on
+    sequences without padding); returns its name, for config._attn_implementation."""
+    import transformers
+    from reference import reference_dilated_attention
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        out = reference_dilated_attention(query, key, value, segment_lengths, dilation_rates,
+                                          hilbert=hilbert, is_causal=True, scale=scaling,
+                                          enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+
+    transformers.AttentionInterface.register("hilbert_fx_reference", attention)
+    transformers.AttentionMaskInterface.register(
+        "hilbert_fx_reference", transformers.masking_utils.sdpa_mask)
+    return "hilbert_fx_reference"

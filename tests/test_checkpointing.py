@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as checkpoint
 
 import hilbert_fx
-from models import TinyTransformer
+from models import TinyTransformer, register_reference_attention
 from reference import reference_dilated_attention
 from test_backend import with_reference
 
@@ -107,26 +107,11 @@ def hf_llama(attn_implementation):
     return transformers.LlamaForCausalLM(config)
 
 
-def register_reference_attention(hilbert):
-    """A transformers attention implementation that runs the float64 reference (causal)."""
-    transformers = pytest.importorskip("transformers")
-
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        out = reference_dilated_attention(query, key, value, W, R, hilbert=hilbert, is_causal=True,
-                                          scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2).contiguous(), None
-
-    transformers.AttentionInterface.register("hilbert_fx_reference", attention)
-    transformers.AttentionMaskInterface.register(
-        "hilbert_fx_reference", transformers.masking_utils.sdpa_mask)
-    return "hilbert_fx_reference"
-
-
 def test_transformers_gradient_checkpointing_trains_as_the_reference():
     torch.manual_seed(0)
     model = hf_llama("sdpa")
     reference = copy.deepcopy(model).double()
-    reference.config._attn_implementation = register_reference_attention(hilbert=True)
+    reference.config._attn_implementation = register_reference_attention(W, R, hilbert=True)
     model.gradient_checkpointing_enable()
     reference.gradient_checkpointing_enable()
     model.train()

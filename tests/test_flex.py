@@ -17,7 +17,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import hilbert_fx
-from models import recorded_sites, recording_backend  # noqa: E402
+from models import recorded_sites, recording_backend, register_reference_attention  # noqa: E402
 from reference import reference_dilated_attention, reference_sequences
 
 W, R = (8, 16), (1, 2)
@@ -155,15 +155,8 @@ def test_transformers_flex_attention_padded_rows_equal_each_row_alone():
     torch._dynamo.reset()
     be = recording_backend(W, R)
     compiled = torch.compile(model, backend=be)
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-        out = reference_dilated_attention(query, key, value, W, R, hilbert=True, is_causal=True,
-                                          scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2).contiguous(), None
-    transformers.AttentionInterface.register("hilbert_fx_flex_reference", attention)
-    transformers.AttentionMaskInterface.register("hilbert_fx_flex_reference",
-                                                 transformers.masking_utils.sdpa_mask)
     reference = copy.deepcopy(model).double()  # its own config: the attention set below
-    reference.config._attn_implementation = "hilbert_fx_flex_reference"
+    reference.config._attn_implementation = register_reference_attention(W, R, hilbert=True)
     with torch.no_grad():
         batch = compiled(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
         batch_sites = recorded_sites(be)

@@ -24,7 +24,8 @@ from hilbert_fx.lowering import op as op_module  # noqa: E402
 from hilbert_fx.lowering import sdpa_lowering  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from reference import reference_dilated_attention, reference_sequences  # noqa: E402
+from reference import (dropout_keep_of_positions, reference_dilated_attention,  # noqa: E402
+                       reference_sequences)
 
 
 def leaves(*shapes, dtype=torch.float32, seed=0):
@@ -360,10 +361,7 @@ def test_checkpointing_keeps_the_forward_s_dropout(use_reentrant):
     torch.manual_seed(3)
     seed = dropout.new_seed(torch.device("cpu"))
     (b, h, n, _), p = q.shape, kw["dropout_p"]
-    at = torch.arange(n)
-    keep = dropout.keep_mask(seed, torch.arange(b).view(b, 1, 1, 1),
-                             torch.arange(h).view(1, h, 1, 1), at.view(1, 1, n, 1),
-                             at.view(1, 1, 1, n), p)
+    keep = dropout_keep_of_positions(seed, b, h, range(n), p)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref_kw = {name: value for name, value in kw.items() if name != "dropout_p"}
     ref = reference_dilated_attention(q64, k64, v64, dropout_p=p, dropout_keep=keep, **ref_kw)
