@@ -110,7 +110,7 @@ def train(args, device, backend_name, steps):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(1)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    losses, times = [], []
+    losses, grad_norms, times = [], [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     warmup = getattr(args, "warmup", 0)
@@ -127,7 +127,7 @@ def train(args, device, backend_name, steps):
         with autocast:
             loss = compiled(input_ids=tokens, labels=labels).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the norm before clipping
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -135,13 +135,14 @@ def train(args, device, backend_name, steps):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
+        grad_norms.append(grad_norm.item())
         at_d.append(losses[-1])
         distances.append(d)
         if step % args.log_every == 0 or step == steps - 1:
             print(f"  [{backend_name}] step {step:4d}  d {d:6d}  loss {losses[-1]:.3f}  ({times[-1] * 1e3:.0f} ms)", flush=True)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     steady = sorted(times[min(3, len(times) - 1):])
-    result = dict(backend=backend_name, losses=losses, distances=distances, step_ms=1e3 * steady[len(steady) // 2], peak_gib=peak)
+    result = dict(backend=backend_name, losses=losses, grad_norms=grad_norms, distances=distances, step_ms=1e3 * steady[len(steady) // 2], peak_gib=peak)
     del compiled, model, opt
     torch._dynamo.reset()
     if device.type == "cuda":
@@ -191,7 +192,7 @@ def longest_context(args, device, backend_name):
     return fitted
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--layers", type=int, default=12)
@@ -217,7 +218,11 @@ def main():
                    help="dense baseline: SDPA is_causal (causal) or transformers' own mask (model)")
     p.add_argument("--probe", type=int, nargs="*", default=[], help="lengths to probe for the longest context (GPU)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     device = torch.device(args.device)
     results = {"args": vars(args).copy(), "train": [], "longest": {}}
     full = copy_distance(args, args.seq_len)

@@ -21,20 +21,26 @@ WIDTH, HEIGHT, PATCH = 16, 64, 4
 SEGMENTS, RATES = (256, 1024), (1, 8)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=".")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = p.parse_args()
+def build(device):
+    """The ViT (random weights, eval mode), two random images, and the dilated backend."""
     from transformers import ViTConfig, ViTModel
 
     config = ViTConfig(image_size=(HEIGHT * PATCH, WIDTH * PATCH), patch_size=PATCH, hidden_size=128,
                        num_hidden_layers=2, num_attention_heads=8, intermediate_size=256,
                        attn_implementation="sdpa")
     torch.manual_seed(0)
-    model = ViTModel(config).to(args.device).eval()
-    images = torch.randn(2, 3, HEIGHT * PATCH, WIDTH * PATCH, device=args.device)
+    model = ViTModel(config).to(device).eval()
+    images = torch.randn(2, 3, HEIGHT * PATCH, WIDTH * PATCH, device=device)
     backend = hilbert_fx.backend(segment_lengths=SEGMENTS, dilation_rates=RATES, hilbert=True)
+    return model, images, backend
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=".")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    model, images, backend = build(args.device)
 
     print(hilbert_fx.explain(model, pixel_values=images, backend=backend))
     with torch.no_grad():

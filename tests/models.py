@@ -110,3 +110,21 @@ def register_reference_attention(segment_lengths, dilation_rates, hilbert):
     transformers.AttentionMaskInterface.register(
         "hilbert_fx_reference", transformers.masking_utils.sdpa_mask)
     return "hilbert_fx_reference"
+
+
+def register_reference_attention_bidirectional(segment_lengths, dilation_rates, hilbert):
+    """As register_reference_attention, for transformers encoders (ViT): the float64 reference
+    without causality, on inputs without padding; returns its name, for config._attn_implementation."""
+    import transformers
+    from reference import reference_dilated_attention
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        assert attention_mask is None and not getattr(module, "is_causal", False), \
+            "the bidirectional reference takes no mask and no causal module"
+        out = reference_dilated_attention(query, key, value, segment_lengths, dilation_rates,
+                                          hilbert=hilbert, is_causal=False, scale=scaling,
+                                          enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+
+    transformers.AttentionInterface.register("hilbert_fx_reference_bidirectional", attention)
+    return "hilbert_fx_reference_bidirectional"
