@@ -17,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_op_exact import (TRITON_ORDERS, _PoisonedTorch, assert_matches,  # noqa: E402
+from test_op_exact import (TRITON_ORDERS, _cfg, _PoisonedTorch, assert_matches,  # noqa: E402
                            common_scale, require_lowering, run_both)
 
 from reference import reference_dilated_attention  # noqa: E402
@@ -86,8 +86,17 @@ def emulated_launch(q, k, v, dout, dq, dk, dv, dk_final, dv_final, seen, lse2, d
             buf[rows] = grad[rows]
 
 
+# whole sets in the Hilbert order gathered row by row (no runs), and six branches, causal
+WHOLE_GATHERED = [
+    _cfg(N=64, segs=[16, 32, 64], rates=[1, 2, 4], B=2, Hq=4, Hkv=2, gqa=True, D=8),
+    _cfg(N=256, segs=[16, 32, 64, 128, 256, 64], rates=[2, 2, 4, 4, 8, 1], B=1, Hq=8, Hkv=8,
+         gqa=False, D=8, causal=True),
+]
+
+
 @pytest.mark.parametrize("hopper_rates", ["all", "r == 1", "r > 1"])
-@pytest.mark.parametrize("cfg", TRITON_ORDERS, ids=lambda c: f"N{c['N']}-{c['segs']}-{c['rates']}")
+@pytest.mark.parametrize("cfg", TRITON_ORDERS + WHOLE_GATHERED,
+                         ids=lambda c: f"N{c['N']}-{c['segs']}-{c['rates']}")
 def test_backward_mixes_hopper_and_triton_branches(cfg, hopper_rates, monkeypatch):
     require_lowering("triton")
     from hilbert_fx.lowering import triton_lowering
