@@ -332,6 +332,9 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv
     keys = key_first + CID * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     # a user's mask or dropout: the keys' positions (fixed), the queries' (a tile's) below
     USER: gl.constexpr = MASK_KIND != 0 or DROPOUT
+    # at D = 64 nothing spills with the mask held, and the backward was 1.7% slower so (32K
+    # causal, identity order: H100, BENCHMARKS.md)
+    KEEP_IN_SIGN: gl.constexpr = DROPOUT and HEAD_D > 64
     if USER:
         kpos = _key_positions(Pos, pos_set, set_row, keys, R, GATHER)
         if MASK_KIND != 0:
@@ -426,17 +429,29 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv
                     live = gl.expand_dims(keys < count, 1) \
                         & gl.expand_dims(t * BLOCK_M + members < count, 0)
                 p = gl.where(live, p, 0.0)
+            # KEEP_IN_SIGN: the keep bits ride in p's sign from here (an entry with p = 0 adds
+            # nothing to dS or dV, kept or not), so that they hold no registers across dP's
+            # wait and dS's store: held as a [KEYS, BLOCK_M] mask they spilled 360 bytes at
+            # D = 128 (280 so), and dropout's backward is 6% faster there (H100, BENCHMARKS.md)
+            if KEEP_IN_SIGN:
+                p = gl.where(keep, p, -p)
             dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
-            if DROPOUT:
-                dp = gl.where(keep, dp * drop_scale, 0.0)
-            ds16 = (p * (dp - gl.expand_dims(gl.convert_layout(dl, col_l), 0))).to(dtype)
+            if KEEP_IN_SIGN:
+                dp = gl.where(p > 0.0, dp * drop_scale, 0.0)
+                ds16 = (gl.abs(p) * (dp - gl.expand_dims(gl.convert_layout(dl, col_l), 0))).to(dtype)
+            else:
+                if DROPOUT:
+                    dp = gl.where(keep, dp * drop_scale, 0.0)
+                ds16 = (p * (dp - gl.expand_dims(gl.convert_layout(dl, col_l), 0))).to(dtype)
             buf = it % 2
             ds_tile = ds_smem.index(buf).slice(CID * KEYS, KEYS)
             ds_tile.store(ds16)
             fence_async_shared()
             gl.thread_barrier()  # every thread's dS^T rows stored and fenced before the arrival
             mbarrier.arrive(ds_bar.index(buf), count=1)
-            if DROPOUT:
+            if KEEP_IN_SIGN:
+                p = gl.where(p > 0.0, p * drop_scale, 0.0)
+            elif DROPOUT:
                 p = gl.where(keep, p * drop_scale, 0.0)
             p16 = gl.convert_layout(p.to(dtype), a_layout)
             if not DS_SHARED:

@@ -38,18 +38,27 @@ CONFIGS = {
     "d128_64k_causal": (128, 65536, True, True, BRANCHES),
     "d64_64k": (64, 65536, False, True, BRANCHES),
     "d64_32k_causal_id": (64, 32768, True, False, LLAMA_BRANCHES),
+    # dropout 0.1 (the masks-and-dropout rows of BENCHMARKS.md)
+    "d128_16k_dropout": (128, 16384, False, True, BRANCHES, 0.1),
+    "d64_32k_causal_id_dropout": (64, 32768, True, False, LLAMA_BRANCHES, 0.1),
 }
 
 
+def _config(name: str):
+    """(d, n, causal, hilbert, (w, r), dropout_p) of a configuration."""
+    d, n, causal, hilbert, branches, *dropout = CONFIGS[name]
+    return d, n, causal, hilbert, branches, (dropout or [0.0])[0]
+
+
 def probe(name: str, calls: int, forward_only: bool) -> tuple[float, float]:
-    d, n, causal, hilbert, (w, r) = CONFIGS[name]
+    d, n, causal, hilbert, (w, r), dropout_p = _config(name)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
 
     def forward():
         return dilated_attention(q, k, v, w, r, hilbert=hilbert, is_causal=causal,
-                                 lowering="triton")
+                                 dropout_p=dropout_p, lowering="triton")
     with torch.no_grad():
         fwd = median_ms(forward, calls)
     if forward_only:
@@ -76,10 +85,12 @@ def _lowering(package: str):
 
 def against(name: str, other: str, rounds: int, forward_only: bool) -> list[str]:
     """Lines comparing this tree's lowering (new) with `other` (old), timed in turns."""
-    d, n, causal, hilbert, (w, r) = CONFIGS[name]
+    d, n, causal, hilbert, (w, r), dropout_p = _config(name)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     kw = dict(is_causal=causal, attn_mask=None, scale=d ** -0.5)
+    if dropout_p:
+        kw.update(dropout_p=dropout_p, seed=torch.tensor(1234, device="cuda"))
     calls = {}
     for tag, package in (("old", other), ("new", "hilbert_fx.lowering")):
         lw, plans = _lowering(package)
