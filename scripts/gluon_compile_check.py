@@ -2,7 +2,8 @@
 ptxas's registers, spills and whether it serialised the wgmma instructions (too few registers
 to keep them asynchronous), and the shared memory a CTA takes (an SM has 232,448 bytes), so
 that a kernel change can be checked for compile errors, spilled registers, serialised products
-and shared memory on the whole-set paths before device time is spent.
+and shared memory on the whole-set, partial-set, mask and dropout paths before device time is
+spent.
 
     python -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
     /tmp/t36/bin/python scripts/gluon_compile_check.py --torch-site /path/to/venv/lib/python3.11/site-packages [--repo DIR]
@@ -78,7 +79,8 @@ def main():
                 f"{', '.join('/'.join(s) for s in spills)}{serialized}, "
                 f"code {hashlib.md5(body.encode()).hexdigest()[:10]}")
 
-    def case(name, n, w, r, hilbert, causal, d, packed=None, first=True, last=False):
+    def case(name, n, w, r, hilbert, causal, d, packed=None, first=True, last=False, mask=None,
+             dropout=False):
         dt = torch.bfloat16
         q = torch.randn(1, 4, n, d, dtype=dt)
         k, v = torch.randn(1, 2, n, d, dtype=dt), torch.randn(1, 2, n, d, dtype=dt)
@@ -86,14 +88,19 @@ def main():
                 else sequence_plans(packed, (w,), (r,), hilbert)[0])
         pos = plan_tensors(plan, "cpu")[0]
         out, acc, lse = torch.empty_like(q), torch.empty(q.shape), torch.empty(q.shape[:3])
+        seed = torch.zeros((), dtype=torch.int64) if dropout else None
+
+        def user(unused):  # a boolean (uint8) or float mask and dropout, as the lowering passes
+            return gluon_forward.user_arguments(unused, mask, seed, None, 1 << 20, 1.1)
         fwd = gluon_forward.prepare(q, k, v, plan, pos, is_causal=causal, scale=0.1,
-                                    first=first, last=last, refs=(q, k, v, out, acc, lse))
+                                    first=first, last=last, refs=(q, k, v, out, acc, lse),
+                                    user=user(lse))
         dq, dk, dv = torch.zeros(q.shape), torch.empty(k.shape), torch.empty(v.shape)
         seen = torch.zeros(2, n, dtype=torch.uint8)
         bwd = gluon_backward.prepare(
             q, k, v, q.clone(), plan, pos, is_causal=causal, scale=0.1, first=first, last=last,
             refs=(q, k, v, q.clone(), dq, dk, dv, k.clone(), v.clone(), seen, lse.clone(),
-                  lse.clone()))
+                  lse.clone()), user=user(lse))
         for what, (kernel, grid, kargs, kwargs) in (("forward", fwd), ("backward", bwd)):
             kargs = [a.make(a.source) if isinstance(a, gluon_forward.Descriptor) else a
                      for a in kargs]
@@ -115,6 +122,15 @@ def main():
     # N % w != 0: partial last sets, gathered in the identity order too
     case("partial, N % w identity r=2 D=128 causal", 8000, 4096, 2, False, True, 128)
     case("partial, N % w r=1 D=64", 8000, 4096, 1, True, False, 64)
+    # a user's mask and dropout (their addresses and keep bits take registers)
+    bool_mask = torch.zeros(1, 1, 8192, 8192, dtype=torch.uint8)
+    case("bool mask, strided r=1 D=128", 8192, 2048, 1, False, False, 128, mask=bool_mask)
+    case("bool mask, Hilbert r=4 D=64", 8192, 8192, 4, True, False, 64, mask=bool_mask)
+    case("float mask, Hilbert runs r=2 D=128", 8192, 4096, 2, True, False, 128,
+         mask=torch.zeros(1, 1, 8192, 8192, dtype=torch.bfloat16))
+    case("dropout, strided r=1 D=128", 8192, 2048, 1, False, False, 128, dropout=True)
+    case("dropout, gathered r=4 D=128", 8192, 8192, 4, True, False, 128, dropout=True)
+    case("dropout, identity r=2 D=64 causal", 8192, 4096, 2, False, True, 64, dropout=True)
     if gluon_forward.partial_sets(sequence_plans(packed, (4096,), (2,), True)[0]):
         case("partial, packed r=2 D=128", 8192, 4096, 2, True, False, 128, packed=packed)
         case("partial, packed r=4 D=64 causal", 8192, 4096, 4, True, True, 64, packed=packed,
