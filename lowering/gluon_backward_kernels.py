@@ -432,13 +432,15 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv
             # KEEP_IN_SIGN: the keep bits ride in p's sign from here (an entry with p = 0 adds
             # nothing to dS or dV, kept or not), so that they hold no registers across dP's
             # wait and dS's store: held as a [KEYS, BLOCK_M] mask they spilled 360 bytes at
-            # D = 128 (280 so), and dropout's backward is 6% faster there (H100, BENCHMARKS.md)
+            # D = 128 (280 in the sign), and dropout's backward is 6% faster there (H100,
+            # BENCHMARKS.md)
             if KEEP_IN_SIGN:
                 p = gl.where(keep, p, -p)
             dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
             if KEEP_IN_SIGN:
                 dp = gl.where(p > 0.0, dp * drop_scale, 0.0)
-                ds16 = (gl.abs(p) * (dp - gl.expand_dims(gl.convert_layout(dl, col_l), 0))).to(dtype)
+                ds16 = (gl.abs(p)
+                        * (dp - gl.expand_dims(gl.convert_layout(dl, col_l), 0))).to(dtype)
             else:
                 if DROPOUT:
                     dp = gl.where(keep, dp * drop_scale, 0.0)
