@@ -439,12 +439,12 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv
             dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
             if KEEP_IN_SIGN:
                 dp = gl.where(p > 0.0, dp * drop_scale, 0.0)
-                ds16 = (gl.abs(p)
-                        * (dp - gl.expand_dims(gl.convert_layout(dl, col_l), 0))).to(dtype)
+                p_ds = gl.abs(p)
             else:
                 if DROPOUT:
                     dp = gl.where(keep, dp * drop_scale, 0.0)
-                ds16 = (p * (dp - gl.expand_dims(gl.convert_layout(dl, col_l), 0))).to(dtype)
+                p_ds = p
+            ds16 = (p_ds * (dp - gl.expand_dims(gl.convert_layout(dl, col_l), 0))).to(dtype)
             buf = it % 2
             ds_tile = ds_smem.index(buf).slice(CID * KEYS, KEYS)
             ds_tile.store(ds16)

@@ -94,37 +94,24 @@ def recorded_sites(be):
     return [s for record in be.records for s in record.sites]
 
 
-def register_reference_attention(segment_lengths, dilation_rates, hilbert):
-    """A transformers attention implementation that runs the float64 reference (causal, on
-    sequences without padding); returns its name, for config._attn_implementation."""
+def register_reference_attention(segment_lengths, dilation_rates, hilbert, causal=True):
+    """A transformers attention implementation that runs the float64 reference on sequences
+    without padding, causal (decoders) or not (encoders such as ViT, which pass no mask);
+    returns its name, for config._attn_implementation."""
     import transformers
     from reference import reference_dilated_attention
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if not causal:
+            assert attention_mask is None and not getattr(module, "is_causal", False), \
+                "the bidirectional reference takes no mask and no causal module"
         out = reference_dilated_attention(query, key, value, segment_lengths, dilation_rates,
-                                          hilbert=hilbert, is_causal=True, scale=scaling,
+                                          hilbert=hilbert, is_causal=causal, scale=scaling,
                                           enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
 
-    transformers.AttentionInterface.register("hilbert_fx_reference", attention)
-    transformers.AttentionMaskInterface.register(
-        "hilbert_fx_reference", transformers.masking_utils.sdpa_mask)
-    return "hilbert_fx_reference"
-
-
-def register_reference_attention_bidirectional(segment_lengths, dilation_rates, hilbert):
-    """As register_reference_attention, for transformers encoders (ViT): the float64 reference
-    without causality, on inputs without padding; returns its name, for config._attn_implementation."""
-    import transformers
-    from reference import reference_dilated_attention
-
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        assert attention_mask is None and not getattr(module, "is_causal", False), \
-            "the bidirectional reference takes no mask and no causal module"
-        out = reference_dilated_attention(query, key, value, segment_lengths, dilation_rates,
-                                          hilbert=hilbert, is_causal=False, scale=scaling,
-                                          enable_gqa=True)
-        return out.transpose(1, 2).contiguous(), None
-
-    transformers.AttentionInterface.register("hilbert_fx_reference_bidirectional", attention)
-    return "hilbert_fx_reference_bidirectional"
+    name = "hilbert_fx_reference" if causal else "hilbert_fx_reference_bidirectional"
+    transformers.AttentionInterface.register(name, attention)
+    if causal:
+        transformers.AttentionMaskInterface.register(name, transformers.masking_utils.sdpa_mask)
+    return name

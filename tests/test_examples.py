@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from models import register_reference_attention, register_reference_attention_bidirectional
+from models import register_reference_attention
 from reference import reference_dilated_attention
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
@@ -151,8 +151,8 @@ def test_vit_hilbert_compiled_matches_the_reference():
     example = load_example("vit_hilbert")
     model, images, backend = example.build("cpu")
     reference = copy.deepcopy(model).double()
-    reference.config._attn_implementation = register_reference_attention_bidirectional(
-        example.SEGMENTS, example.RATES, hilbert=True)
+    reference.config._attn_implementation = register_reference_attention(
+        example.SEGMENTS, example.RATES, hilbert=True, causal=False)
     torch._dynamo.reset()
     with torch.no_grad():
         dilated = torch.compile(model, backend=backend)(pixel_values=images).last_hidden_state
