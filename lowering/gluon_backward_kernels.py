@@ -461,6 +461,11 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv
             dv_tok = warpgroup_mma(p16, do_smem.index(slot), dv, is_async=True)
             dk_tok = warpgroup_mma(ds_tile if DS_SHARED else ds16a, q_smem.index(slot), dk,
                                    is_async=True)
+            # whole gathered sets' dq rows, loaded while dK, dV and dq's products run: loaded
+            # after dq's wait, the atomics waited for them, and the gathered launches were 1.5
+            # to 4.5% slower (H100, BENCHMARKS.md)
+            if GATHER and DQ_BOX == 0 and not PARTIAL:
+                dq_pos = gl.load(Pos + pos_set + t * BLOCK_M + dq_members)
             mbarrier.wait(ds_bar.index(buf), (it // 2) & 1)
             dq_tok = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), kd_tile, dq_zero,
                                    use_acc=False, is_async=True)
@@ -491,7 +496,8 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv
             else:  # added by atomics
                 dq = gl.convert_layout(dq, red_l)
                 if GATHER:
-                    dq_pos = gl.load(Pos + pos_set + t * BLOCK_M + dq_members)
+                    if PARTIAL:
+                        dq_pos = gl.load(Pos + pos_set + t * BLOCK_M + dq_members)
                     dq_ptrs = DQ + head_row * HEAD_D + (gl.expand_dims(dq_pos * HEAD_D, 1)
                                                         + dq_cols)
                 else:

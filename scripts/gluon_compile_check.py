@@ -6,7 +6,7 @@ and shared memory on the whole-set, partial-set, mask and dropout paths before d
 spent.
 
     python -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
-    /tmp/t36/bin/python scripts/gluon_compile_check.py --torch-site /path/to/venv/lib/python3.11/site-packages [--repo DIR]
+    /tmp/t36/bin/python scripts/gluon_compile_check.py --torch-site /path/to/venv/lib/python3.11/site-packages [--repo DIR] [--only NAME ...]
 
 The kernels are written for Triton 3.6's Gluon, hence a Python whose own Triton is 3.6; torch is
 taken from --torch-site, appended to sys.path after that Triton. A stand-in driver names an sm_90
@@ -29,6 +29,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--torch-site", required=True, help="site-packages holding torch")
     ap.add_argument("--repo", default=os.path.join(os.path.dirname(__file__), os.pardir))
+    ap.add_argument("--only", nargs="*", default=[],
+                    help="run only the configurations whose names contain one of these")
     args = ap.parse_args()
     sys.path.append(args.torch_site)
     import triton
@@ -81,6 +83,8 @@ def main():
 
     def case(name, n, w, r, hilbert, causal, d, packed=None, first=True, last=False, mask=None,
              dropout=False):
+        if args.only and not any(word in name for word in args.only):
+            return
         dt = torch.bfloat16
         q = torch.randn(1, 4, n, d, dtype=dt)
         k, v = torch.randn(1, 2, n, d, dtype=dt), torch.randn(1, 2, n, d, dtype=dt)
