@@ -288,11 +288,13 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
         return (torch.zeros(b, hq, n, v.shape[-1], dtype=q.dtype, device=q.device),
                 torch.full((b, hq, n), NEG_INF, dtype=wide, device=q.device))
     acc = torch.zeros(b, hq, n + 1, v.shape[-1], dtype=wide, device=q.device)  # sum of o_i * w_i
-    total = torch.zeros(b, hq, n + 1, dtype=wide, device=q.device)  # sum of w_i
     top = torch.full((b, hq, n + 1), NEG_INF, dtype=wide, device=q.device)
+    total = None  # sum of w_i
     for plan in plans:
-        out_b = torch.zeros_like(acc)
-        lse_b = torch.full_like(top, NEG_INF)
+        # the first branch's rows go straight to acc and top: its weights are 1 where it has
+        # an lse (exp(lse - lse)) and 0 where not, so its merge would leave them as they are
+        out_b = acc if total is None else torch.zeros_like(acc)
+        lse_b = top if total is None else torch.full_like(top, NEG_INF)
         for block in blocks_of(plan, hq, query_rows):
             x = _block_inputs(q, k, v, block, attn_mask=attn_mask, is_causal=is_causal,
                               dropout_p=dropout_p, seed=seed, dropout_rows=dropout_rows)
@@ -304,6 +306,9 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
                 o = o.masked_fill(~x.has_key.unsqueeze(-1), 0.0)
             _scatter(out_b, block, True, o.to(wide))
             _scatter(lse_b, block, True, lse)
+        if total is None:
+            total = torch.exp(top - top.masked_fill(top == NEG_INF, 0.0))
+            continue
         new_top = torch.maximum(top, lse_b)
         base = new_top.masked_fill(new_top == NEG_INF, 0.0)  # rows with no key yet: weights 0
         w_old, w_new = torch.exp(top - base), torch.exp(lse_b - base)
