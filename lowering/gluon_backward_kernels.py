@@ -463,7 +463,8 @@ def _consume_item(q_smem, k_smem, kd_smem, v_smem, do_smem, ds_smem, dq_smem, kv
                                    is_async=True)
             # whole gathered sets' dq rows, loaded while dK, dV and dq's products run: loaded
             # after dq's wait, the atomics waited for them, and the gathered launches were 1.5
-            # to 4.5% slower (H100, BENCHMARKS.md)
+            # to 4.5% slower (H100, BENCHMARKS.md). Partial sets load them there still: early,
+            # their spills grew by 32 bytes for no measured gain.
             if GATHER and DQ_BOX == 0 and not PARTIAL:
                 dq_pos = gl.load(Pos + pos_set + t * BLOCK_M + dq_members)
             mbarrier.wait(ds_bar.index(buf), (it // 2) & 1)
