@@ -159,10 +159,11 @@ def _gather(x: torch.Tensor, block: Block, queries: bool, group: int = 1) -> tor
     positions are the block's queries or members. One index into a view of x whose rows start
     at every element (as_strided), so any strides do, without a copy."""
     b, hx, n, d = x.shape
+    stride_b, stride_h, stride_n, stride_d = x.stride()
     h, s, length = (block.queries if queries else block.positions).shape
-    rows = _rows(block, queries, group, x.stride(1), x.stride(2), n - 1)
-    span = (hx - 1) * x.stride(1) + (n - 1) * x.stride(2) + 1
-    starts = x.as_strided((b, span, d), (x.stride(0), 1, x.stride(3)))
+    rows = _rows(block, queries, group, stride_h, stride_n, n - 1)
+    span = (hx - 1) * stride_h + (n - 1) * stride_n + 1
+    starts = x.as_strided((b, span, d), (stride_b, 1, stride_d))
     return starts[:, rows].view(b, h * s, length, d)
 
 
