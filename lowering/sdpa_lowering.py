@@ -134,8 +134,8 @@ def _rows(block: Block, queries: bool, group: int, head_step: int, row_step: int
     """Flat [H * S * L] indices of the block's queries (or members) in a tensor whose head
     h // group starts at h * head_step and whose row p at p * row_step; padding (position N)
     clamped to row `clamp` (a gather's) or kept (a scatter's spare row). Made once per block
-    and layout (up to KEPT_ROWS): building them took about as long as the gathers themselves
-    on the CPU, where a call of two small branches now costs 18 to 22% less."""
+    and layout (up to KEPT_ROWS): built at each call, they took about as long as the gathers
+    themselves on the CPU (BENCHMARKS.md, "Host cost per call")."""
     key = (queries, group, head_step, row_step, clamp)
     hit = block.rows.get(key)
     if hit is None:
@@ -290,12 +290,12 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
                 torch.full((b, hq, n), NEG_INF, dtype=wide, device=q.device))
     acc = torch.zeros(b, hq, n + 1, v.shape[-1], dtype=wide, device=q.device)  # sum of o_i * w_i
     top = torch.full((b, hq, n + 1), NEG_INF, dtype=wide, device=q.device)
-    total = None  # sum of w_i
-    for plan in plans:
+    for i, plan in enumerate(plans):
         # the first branch's rows go straight to acc and top: its weights are 1 where it has
         # an lse (exp(lse - lse)) and 0 where not, so its merge would leave them as they are
-        out_b = acc if total is None else torch.zeros_like(acc)
-        lse_b = top if total is None else torch.full_like(top, NEG_INF)
+        first = i == 0
+        out_b = acc if first else torch.zeros_like(acc)
+        lse_b = top if first else torch.full_like(top, NEG_INF)
         for block in blocks_of(plan, hq, query_rows):
             x = _block_inputs(q, k, v, block, attn_mask=attn_mask, is_causal=is_causal,
                               dropout_p=dropout_p, seed=seed, dropout_rows=dropout_rows)
@@ -307,8 +307,8 @@ def forward(q, k, v, plans: list[BranchPlan], *, is_causal: bool, attn_mask, sca
                 o = o.masked_fill(~x.has_key.unsqueeze(-1), 0.0)
             _scatter(out_b, block, True, o.to(wide))
             _scatter(lse_b, block, True, lse)
-        if total is None:
-            total = torch.exp(top - top.masked_fill(top == NEG_INF, 0.0))
+        if first:
+            total = torch.exp(top - top.masked_fill(top == NEG_INF, 0.0))  # sum of w_i
             continue
         new_top = torch.maximum(top, lse_b)
         base = new_top.masked_fill(new_top == NEG_INF, 0.0)  # rows with no key yet: weights 0
