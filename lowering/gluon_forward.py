@@ -70,6 +70,12 @@ def chunk_sets(grid, is_causal: bool) -> int:
         chunk *= 2
     return chunk
 _GATHER_PRODUCER = dict(PRODUCER_WARPS=4, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4)
+# under a boolean mask at D = 64 a consumer also holds the tile's key positions and mask entries
+# while S is in flight: at 232 registers it spilled 104 bytes, at 240 (two producer warps) none,
+# and its forward took 0.966 of the time (16K, Hilbert order, H100; BENCHMARKS.md). At D = 128
+# (112 bytes against 28) the two producer warps made it 1.2% slower.
+_MASKED_GATHER_PRODUCER = dict(PRODUCER_WARPS=2, PRODUCER_REGS=40, CONSUMER_REGS=240,
+                               num_warps=4)
 
 _kernels = None
 _import_error: str | None = None
@@ -378,6 +384,7 @@ def prepare(q, k, v, plan, positions, *, is_causal: bool, scale: float, first: b
     partial = partial_sets(plan)
     work = (set_tiles(plan, CTA_ROWS), plan.num_segments, b * hq)  # _work's grid of items
     counts = plan_tensors(plan, q.device)[1]
+    user_args, user_kinds = user or user_arguments(lse, None, None, None, 0, 1.0)
     if (plan.is_strided or run) and not partial:
         tensors, coords = [], []
         for x, ref, rows in ((q, q_ref, tiles["BLOCK_M"]), (k, k_ref, tiles["BLOCK_N"]),
@@ -388,13 +395,14 @@ def prepare(q, k, v, plan, positions, *, is_causal: bool, scale: float, first: b
     else:
         tensors = [q_ref, k_ref, v_ref]
         coords = [s for x in (q, k, v) for s in (*x.stride()[:3], 0)]
-        regs = dict(GATHER=True, RUN=0, **_GATHER_PRODUCER)
+        producer = (_MASKED_GATHER_PRODUCER if user_kinds["MASK_KIND"] == 1 and d == 64
+                    else _GATHER_PRODUCER)
+        regs = dict(GATHER=True, RUN=0, **producer)
     pos_arg, cnt_arg = plan_refs or (positions, counts)
     out_strides = out_strides or (hq * n * v.shape[-1], n * v.shape[-1], v.shape[-1])
     args = [*tensors, out, acc, lse, pos_arg, scale * LOG2E, hq, n, hq // k.shape[1], r, w,
             positions.stride(0), positions.stride(1), cnt_arg, counts.stride(0), counts.stride(1),
             *coords, *out_strides]
-    user_args, user_kinds = user or user_arguments(lse, None, None, None, 0, 1.0)
     chunk = chunk_sets(work, is_causal)
     grid, table, rounds = persistent_schedule(
         work, is_causal=is_causal, one_each=partial, chunk=chunk,

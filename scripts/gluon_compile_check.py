@@ -130,6 +130,9 @@ def main():
     bool_mask = torch.zeros(1, 1, 8192, 8192, dtype=torch.uint8)
     case("bool mask, strided r=1 D=128", 8192, 2048, 1, False, False, 128, mask=bool_mask)
     case("bool mask, Hilbert r=4 D=64", 8192, 8192, 4, True, False, 64, mask=bool_mask)
+    # the other branches of the benchmark's boolean mask row at D = 64 (TMA copies)
+    case("bool mask, Hilbert runs r=2 D=64", 8192, 4096, 2, True, False, 64, mask=bool_mask)
+    case("bool mask, strided r=1 D=64", 8192, 2048, 1, True, False, 64, mask=bool_mask)
     case("float mask, Hilbert runs r=2 D=128", 8192, 4096, 2, True, False, 128,
          mask=torch.zeros(1, 1, 8192, 8192, dtype=torch.bfloat16))
     case("dropout, strided r=1 D=128", 8192, 2048, 1, False, False, 128, dropout=True)

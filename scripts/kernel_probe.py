@@ -30,7 +30,7 @@ from hilbert_fx.lowering import dilated_attention  # noqa: E402
 
 BRANCHES = ((2048, 4096, 8192, 16384), (1, 2, 4, 8))
 LLAMA_BRANCHES = ((2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16))  # train_step.py's
-# name: (head dim, N, causal, Hilbert order, branches)
+# name: (head dim, N, causal, Hilbert order, branches[, dropout_p[, mask: "bool" or "float"]])
 CONFIGS = {
     "d128_16k": (128, 16384, False, True, BRANCHES),
     "d128_64k": (128, 65536, False, True, BRANCHES),
@@ -41,24 +41,34 @@ CONFIGS = {
     # dropout 0.1 (the masks-and-dropout rows of BENCHMARKS.md)
     "d128_16k_dropout": (128, 16384, False, True, BRANCHES, 0.1),
     "d64_32k_causal_id_dropout": (64, 32768, True, False, LLAMA_BRANCHES, 0.1),
+    # a user's boolean mask, [1, 1, N, N] (hilbert_fx.bench's --mask bool)
+    "d64_16k_bool": (64, 16384, False, True, BRANCHES, 0.0, "bool"),
+    "d128_16k_bool": (128, 16384, False, True, BRANCHES, 0.0, "bool"),
 }
 
 
 def _config(name: str):
-    """(d, n, causal, hilbert, (w, r), dropout_p) of a configuration."""
-    d, n, causal, hilbert, branches, *dropout = CONFIGS[name]
-    return d, n, causal, hilbert, branches, (dropout or [0.0])[0]
+    """(d, n, causal, hilbert, (w, r), dropout_p, mask kind) of a configuration."""
+    d, n, causal, hilbert, branches, *more = CONFIGS[name]
+    dropout_p, mask = (list(more) + [0.0, "none"][len(more):])[:2]
+    return d, n, causal, hilbert, branches, dropout_p, mask
+
+
+def _mask(kind: str, n: int):
+    from hilbert_fx.bench import user_mask
+    return user_mask(kind, n, torch.bfloat16, "cuda")
 
 
 def probe(name: str, calls: int, forward_only: bool) -> tuple[float, float]:
-    d, n, causal, hilbert, (w, r), dropout_p = _config(name)
+    d, n, causal, hilbert, (w, r), dropout_p, mask = _config(name)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
+    attn_mask = _mask(mask, n)
 
     def forward():
         return dilated_attention(q, k, v, w, r, hilbert=hilbert, is_causal=causal,
-                                 dropout_p=dropout_p, lowering="triton")
+                                 attn_mask=attn_mask, dropout_p=dropout_p, lowering="triton")
     with torch.no_grad():
         fwd = median_ms(forward, calls)
     if forward_only:
@@ -85,10 +95,10 @@ def _lowering(package: str):
 
 def against(name: str, other: str, rounds: int, forward_only: bool) -> list[str]:
     """Lines comparing this tree's lowering (new) with `other` (old), timed in turns."""
-    d, n, causal, hilbert, (w, r), dropout_p = _config(name)
+    d, n, causal, hilbert, (w, r), dropout_p, mask = _config(name)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    kw = dict(is_causal=causal, attn_mask=None, scale=d ** -0.5)
+    kw = dict(is_causal=causal, attn_mask=_mask(mask, n), scale=d ** -0.5)
     if dropout_p:
         kw.update(dropout_p=dropout_p, seed=torch.tensor(1234, device="cuda"))
     calls = {}
