@@ -15,6 +15,9 @@ What each way of compiling runs (transformers 5.x):
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 
@@ -28,7 +31,7 @@ def compile_for_generate(model, backend="hilbert_dilated", **compile_kwargs):
     """Compile `model.forward` with `backend` so that `model.generate()` runs every forward (the
     prefill and each decoding step, with the dynamic or a static cache) through the pass; returns
     the model. `compile_kwargs` go to torch.compile (mode, dynamic, options, ...)."""
-    model.forward = torch.compile(model.forward, backend=backend, **compile_kwargs)
+    model.forward = _compiled_forward(model.forward, backend, compile_kwargs)
     # generate() builds a static cache's 4-D mask outside the forward (an input the pass cannot
     # read); with the 2-D mask the forward builds it where the pass reads it
     model.create_masks_for_generate = keep_padding_mask
@@ -38,3 +41,38 @@ def compile_for_generate(model, backend="hilbert_dilated", **compile_kwargs):
         # backend, and run that in place of this forward
         config.disable_compile = True
     return model
+
+
+# entries of one code object that generate()'s forwards may add (Dynamo's default is 8)
+RECOMPILE_LIMIT = 64
+# whether torch.compile can keep a compilation's entries apart from others of the same code
+ISOLATES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+
+
+def _compiled_forward(forward, backend, compile_kwargs: dict):
+    """torch.compile(forward) whose compiled entries do not count against those of other
+    compilations of the same code. transformers 5 runs every model's forward through one code
+    object (its `deprecate_kwarg` wrapper), and Dynamo caps the entries of a code object
+    (`recompile_limit`) over every torch.compile of it: after a model was compiled for training
+    and evaluated at a few lengths, generate()'s prefill and decoding steps passed the cap, and
+    Dynamo ran them uncompiled, with dense attention (tokens no longer the argmax of the
+    compiled model's full forwards). Where torch.compile can keep a compilation's entries apart
+    (isolate_recompiles) they are kept apart; elsewhere the cap is raised while this forward
+    runs."""
+    if ISOLATES:
+        return torch.compile(forward, backend=backend,
+                             **{"isolate_recompiles": True, **compile_kwargs})
+    compiled = torch.compile(forward, backend=backend, **compile_kwargs)
+    config = torch._dynamo.config
+
+    def forward_with_room(*args, **kwargs):
+        before = config.recompile_limit  # set and put back by hand: config.patch costs 30x
+        if before >= RECOMPILE_LIMIT:
+            return compiled(*args, **kwargs)
+        config.recompile_limit = RECOMPILE_LIMIT
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            config.recompile_limit = before
+
+    return functools.wraps(forward)(forward_with_room)

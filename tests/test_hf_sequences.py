@@ -356,6 +356,51 @@ def test_generate_picks_the_argmax_of_full_forwards(family, cache, batch):
     assert all(s.action == "rewritten" for s in generate_sites), described(be)
 
 
+@pytest.mark.parametrize("isolates", [True, False] if hilbert_fx.generation.ISOLATES else [False],
+                         ids=lambda x: "isolated" if x else "limit raised")
+def test_generate_after_training_in_the_same_process(monkeypatch, isolates):
+    """A user's session: a model trained under torch.compile on packed documents with gradient
+    checkpointing, evaluated at other lengths, then compile_for_generate and generate() with
+    the dynamic and the static cache. transformers 5 runs every model's forward through one
+    code object, whose compiled entries Dynamo caps (recompile_limit, 8) over every
+    torch.compile of it: the training's entries must not leave generate()'s forwards to run
+    uncompiled, with dense attention (here a forward that would, raises). Every decoding step
+    is rewritten and picks the argmax of a full forward of the compiled model. `isolates`
+    False: the path for a torch.compile without isolate_recompiles."""
+    monkeypatch.setattr(hilbert_fx.generation, "ISOLATES", isolates)
+    model = model_of("llama").train()
+    model.gradient_checkpointing_enable()
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        compiled = torch.compile(model, backend=recording_backend(W, R))
+        collate = transformers.DataCollatorWithFlattening()
+        for step in range(2):
+            batch = collate([{"input_ids": tokens(n, step + n)[0].tolist()} for n in (19, 7, 26)])
+            compiled(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                     labels=batch["labels"], use_cache=False).loss.backward()
+        model.eval()
+        with torch.no_grad():
+            compiled(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                     use_cache=False)
+            for n in (9, 30, 41):
+                compiled(input_ids=tokens(n, n), use_cache=False)
+        be = recording_backend(W, R)
+        hilbert_fx.compile_for_generate(model, backend=be)
+        prompt, new = tokens(15, 7), 6
+        for cache in ("dynamic", "static"):
+            be.records.clear()
+            with torch.no_grad():
+                out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                     max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                     cache_implementation=cache, eos_token_id=None)
+                decoding = [s for s in recorded_sites(be) if example_length(s) == 1]
+                for t in range(new):
+                    full = model(input_ids=out[:, :15 + t], use_cache=False).logits[0, -1]
+                    assert out[0, 15 + t] == full.argmax(), (cache, t)
+            assert decoding and all(s.action == "rewritten" and f"{cache} cache" in s.sequences.what
+                                    for s in decoding), (cache, described(be))
+
+
 def example_length(site):
     """The number of queries of a site (from q's recorded shape)."""
     q = site.match.q
