@@ -24,7 +24,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import hilbert_fx  # noqa: E402
-from models import recorded_sites, recording_backend  # noqa: E402
+from models import recorded_sites, recording_backend, register_reference_attention  # noqa: E402
 
 W, R = (8, 16), (1, 2)
 VOCAB, LAYERS = 96, 2
@@ -399,6 +399,38 @@ def test_generate_after_training_in_the_same_process(monkeypatch, isolates):
                     assert out[0, 15 + t] == full.argmax(), (cache, t)
             assert decoding and all(s.action == "rewritten" and f"{cache} cache" in s.sequences.what
                                     for s in decoding), (cache, described(be))
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_beam_search_gives_each_row_what_the_reference_gives_it_alone(cache):
+    """Beam search (3 beams, the cache reordered between steps) over a batch whose second
+    prompt is left-padded: each row's tokens and score are those of the same beam search run
+    on the row alone by the float64 reference attention (tests/reference.py, no cache, every
+    step a full forward), so neither the padding nor the beams' reordering of the cache changes
+    what a row gets."""
+    name = register_reference_attention(W, R, hilbert=True)
+    reference = model_of("llama").double()
+    reference.config._attn_implementation = name
+    model = model_of("llama")
+    torch._dynamo.reset()
+    be = recording_backend(W, R)
+    hilbert_fx.compile_for_generate(model, backend=be)
+    prompts = [tokens(13, 3), tokens(9, 4)]
+    ids = torch.zeros(2, 13, dtype=torch.long)
+    mask = torch.zeros(2, 13, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, 13 - p.shape[1]:], mask[b, 13 - p.shape[1]:] = p[0], 1
+    beams = dict(num_beams=3, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                 eos_token_id=None, return_dict_in_generate=True, output_scores=True)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, cache_implementation=cache, **beams)
+        for b, p in enumerate(prompts):
+            alone = reference.generate(p, use_cache=False, **beams)
+            assert out.sequences[b, 13:].tolist() == alone.sequences[0, p.shape[1]:].tolist(), b
+            torch.testing.assert_close(out.sequences_scores[b].double(),
+                                       alone.sequences_scores[0].double(), atol=1e-5, rtol=1e-5)
+    decoding = [s for s in recorded_sites(be) if example_length(s) == 1]
+    assert decoding and all(s.action == "rewritten" for s in decoding), described(be)
 
 
 def example_length(site):
