@@ -433,6 +433,29 @@ def test_beam_search_gives_each_row_what_the_reference_gives_it_alone(cache):
     assert decoding and all(s.action == "rewritten" for s in decoding), described(be)
 
 
+def test_prompt_lookup_and_a_continued_conversation_pick_the_greedy_tokens():
+    """Two ways generate() runs several queries against a cache: prompt lookup decoding (chunks
+    of proposed tokens checked at once, the cache cropped where they are refused) picks greedy
+    decoding's tokens, and a conversation continued with the returned cache (a turn of 7
+    tokens, then decoding) picks those of generating from the whole text afresh."""
+    model = model_of("llama")
+    torch._dynamo.reset()
+    be = recording_backend(W, R)
+    hilbert_fx.compile_for_generate(model, backend=be, dynamic=True)
+    base = tokens(8, 3)
+    prompt = torch.cat([base, base, base[:, :5]], 1)  # repeats: prompt lookup proposes tokens
+    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, eos_token_id=None)
+    with torch.no_grad():
+        greedy = model.generate(prompt, return_dict_in_generate=True, **kw)
+        looked_up = model.generate(prompt, prompt_lookup_num_tokens=3, **kw)
+        assert looked_up.tolist() == greedy.sequences.tolist()
+        text = torch.cat([greedy.sequences, tokens(7, 5)], 1)
+        continued = model.generate(text, past_key_values=greedy.past_key_values, **kw)
+        assert continued.tolist() == model.generate(text, **kw).tolist()
+    chunks = [s for s in recorded_sites(be) if 1 < example_length(s) and s.sequences is not None]
+    assert chunks and all(s.action == "rewritten" for s in recorded_sites(be)), described(be)
+
+
 def example_length(site):
     """The number of queries of a site (from q's recorded shape)."""
     q = site.match.q
