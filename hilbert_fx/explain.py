@@ -1,6 +1,7 @@
 """`explain`: run a model under the pass and report every attention site it found."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from dataclasses import dataclass
@@ -61,6 +62,25 @@ class Report:
     __repr__ = __str__
 
 
+@contextlib.contextmanager
+def _own_compilations_off(model):
+    """Modules compiled in place (`module.compile()`, also per layer: regional compilation) call
+    their own compiled function, whose graphs would go to the backend they were compiled with
+    and not to explain's: while explain runs they call their plain forward."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    compiled = [m for m in modules if getattr(m, "_compiled_call_impl", None) is not None]
+    kept = [m._compiled_call_impl for m in compiled]
+    for m in compiled:
+        m._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for m, impl in zip(compiled, kept):
+            m._compiled_call_impl = impl
+
+
 def explain(model, *args, backend=None, **kwargs) -> Report:
     """Compile `model` with the pass (not Inductor), run it once on the arguments, report."""
     base = backend if backend is not None else HilbertBackend()
@@ -75,11 +95,12 @@ def explain(model, *args, backend=None, **kwargs) -> Report:
     # Dynamo's entries of one code object are capped (recompile_limit), and every explain adds
     # one: where torch.compile can keep a call's entries apart (isolate_recompiles) they are
     # kept apart, elsewhere the cap is lifted for this call.
-    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
-        torch.compile(model, backend=recorder, isolate_recompiles=True)(*args, **kwargs)
-    else:
-        with torch._dynamo.config.patch(recompile_limit=1 << 20):
-            torch.compile(model, backend=recorder)(*args, **kwargs)
+    with _own_compilations_off(model):
+        if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+            torch.compile(model, backend=recorder, isolate_recompiles=True)(*args, **kwargs)
+        else:
+            with torch._dynamo.config.patch(recompile_limit=1 << 20):
+                torch.compile(model, backend=recorder)(*args, **kwargs)
     sites = []
     for record in recorder.records:
         for s in record.sites:

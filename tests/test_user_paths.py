@@ -115,6 +115,33 @@ def test_explain_leaves_compiled_models_alone():
     assert len(compilations) == 1
 
 
+@pytest.mark.parametrize("where", ["model", "each layer"])
+def test_explain_sees_modules_compiled_in_place(where):
+    """A model compiled in place (`model.compile()`, or each layer: regional compilation) calls
+    its own compiled function: explain still reports every site (their graphs had gone to the
+    model's own backend, and explain reported none), and afterwards the model calls its own
+    compilation again (its backend sees no new graph for the same input)."""
+    compilations = []
+
+    def counting(gm, example_inputs):
+        compilations.append(gm)
+        return gm.forward
+
+    model = TinyTransformer()
+    tokens = torch.randint(0, 50, (1, 20))
+    torch._dynamo.reset()
+    for module in [model] if where == "model" else model.layers:
+        module.compile(backend=counting)
+    model(tokens)
+    seen = len(compilations)
+    report = hilbert_fx.explain(model, tokens, backend=hilbert_fx.backend(W, R))
+    assert [s.action for s in report.sites] == ["rewritten", "rewritten"], str(report)
+    assert len(compilations) == seen
+    model(tokens)
+    assert len(compilations) == seen and all(
+        m._compiled_call_impl is not None for m in ([model] if where == "model" else model.layers))
+
+
 def test_dilated_instance_survives_torch_save_and_can_be_undone():
     model = TinyTransformer()
     hilbert_fx.dilate(model.layers[0].attn, segment_lengths=(4,), dilation_rates=(2,))
