@@ -30,8 +30,14 @@ def keep_padding_mask(*args, attention_mask=None, **kwargs):
 def compile_for_generate(model, backend="hilbert_dilated", **compile_kwargs):
     """Compile `model.forward` with `backend` so that `model.generate()` runs every forward (the
     prefill and each decoding step, with the dynamic or a static cache) through the pass; returns
-    the model. `compile_kwargs` go to torch.compile (mode, dynamic, options, ...)."""
+    the model. `compile_kwargs` go to torch.compile (mode, dynamic, options, ...). A model
+    compiled in place (`model.compile()`) is compiled this way instead from then on."""
     model.forward = _compiled_forward(model.forward, backend, compile_kwargs)
+    # a model compiled in place (model.compile(), as for transformers' Trainer) would call its
+    # own compilation around this forward, and Dynamo would hand generate()'s graphs to that
+    # one's backend: from here on the compiled forward serves every call
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        model._compiled_call_impl = None
     # generate() builds a static cache's 4-D mask outside the forward (an input the pass cannot
     # read); with the 2-D mask the forward builds it where the pass reads it
     model.create_masks_for_generate = keep_padding_mask

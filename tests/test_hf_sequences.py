@@ -356,9 +356,10 @@ def test_generate_picks_the_argmax_of_full_forwards(family, cache, batch):
     assert all(s.action == "rewritten" for s in generate_sites), described(be)
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["torch.compile", "module.compile"])
 @pytest.mark.parametrize("isolates", [True, False] if hilbert_fx.generation.ISOLATES else [False],
                          ids=lambda x: "isolated" if x else "limit raised")
-def test_generate_after_training_in_the_same_process(monkeypatch, isolates):
+def test_generate_after_training_in_the_same_process(monkeypatch, isolates, in_place):
     """A user's session: a model trained under torch.compile on packed documents with gradient
     checkpointing, evaluated at other lengths, then compile_for_generate and generate() with
     the dynamic and the static cache. transformers 5 runs every model's forward through one
@@ -366,13 +367,19 @@ def test_generate_after_training_in_the_same_process(monkeypatch, isolates):
     torch.compile of it: the training's entries must not leave generate()'s forwards to run
     uncompiled, with dense attention (here a forward that would, raises). Every decoding step
     is rewritten and picks the argmax of a full forward of the compiled model. `isolates`
-    False: the path for a torch.compile without isolate_recompiles."""
+    False: the path for a torch.compile without isolate_recompiles. `in_place`: the training
+    compiled the model in place (model.compile(), as for transformers' Trainer), which calls
+    its own compilation from then on."""
     monkeypatch.setattr(hilbert_fx.generation, "ISOLATES", isolates)
     model = model_of("llama").train()
     model.gradient_checkpointing_enable()
     torch._dynamo.reset()
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        compiled = torch.compile(model, backend=recording_backend(W, R))
+        if in_place:
+            model.compile(backend=recording_backend(W, R))
+            compiled = model
+        else:
+            compiled = torch.compile(model, backend=recording_backend(W, R))
         collate = transformers.DataCollatorWithFlattening()
         for step in range(2):
             batch = collate([{"input_ids": tokens(n, step + n)[0].tolist()} for n in (19, 7, 26)])
