@@ -268,6 +268,9 @@ def _walk_scores(flow: DataFlow, consumer: fx.Node, x, factor: float, depth: int
                 terms.append(MaskTerm(bias, "add", factor * beta))
             return _Scores(x, factor * alpha, terms, region, runtime, heads)
         what = target_name(x) or str(x.target)
+        if what == "cat":  # gpt-oss's attention sinks: a logit per head beside the keys'
+            raise _Fail("cat between the scores and the softmax (logits beside the keys', such "
+                        "as attention sinks) is not part of attention")
         raise _Fail(f"{what} between the scores and the softmax is not part of attention")
     raise _Fail("the scores are computed through too many steps")
 
@@ -311,7 +314,10 @@ def _looks_like_attention_upstream(flow: DataFlow, x, depth: int = 8) -> bool:
 # ---------------------------------------------------------------------------------------------
 def _value_products(flow: DataFlow, softmax: fx.Node, depth: int = 6) -> list:
     """Products (matmul, bmm, einsum) that the probabilities reach through shape-preserving
-    steps and regroups, with the tensor they multiply: [(product, probs operand, v operand)]."""
+    steps, regroups and indexing, with the tensor they multiply: [(product, probs operand, v
+    operand)]. Indexing is followed so that a site which drops columns of the probabilities
+    (gpt-oss's attention sinks: extra logits concatenated before the softmax, sliced off after)
+    is found and reported with its reason rather than passed by in silence."""
     found, frontier, seen = [], [softmax], {softmax}
     for _ in range(depth):
         nxt = []
@@ -329,7 +335,8 @@ def _value_products(flow: DataFlow, softmax: fx.Node, depth: int = 6) -> list:
                             found.append((u, n, other))
                             continue
                 if shape_of(u) == shape_of(n) or (
-                        name == "reshape" and u.args[0] is n and _regroup(u)[0]):
+                        name == "reshape" and u.args[0] is n and _regroup(u)[0]) or (
+                        u.target is operator.getitem and u.args[0] is n):
                     nxt.append(u)
         frontier = nxt
     return found

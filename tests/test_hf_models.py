@@ -103,11 +103,32 @@ def falcon_alibi(impl):  # eager: ALiBi added to the [B, H, N, N] scores, then s
     return transformers.FalconModel(config), expect(LAYERS)
 
 
+def gemma2(impl):  # eager: tanh soft-capping of the scores, which the op does not compute
+    config = transformers.Gemma2Config(num_hidden_layers=LAYERS, hidden_size=32, head_dim=8,
+                                       num_attention_heads=4, num_key_value_heads=2,
+                                       intermediate_size=64, vocab_size=VOCAB,
+                                       max_position_embeddings=64, attn_logit_softcapping=50.0,
+                                       attn_implementation=impl)
+    return transformers.Gemma2Model(config), expect(0, [(f"layers.{i}", "tanh")
+                                                        for i in range(LAYERS)])
+
+
+def gpt_oss(impl):  # eager: a sink logit per head beside the keys', sliced off after the softmax
+    config = transformers.GptOssConfig(num_hidden_layers=LAYERS, hidden_size=32, head_dim=8,
+                                       num_attention_heads=4, num_key_value_heads=2,
+                                       intermediate_size=64, vocab_size=VOCAB, num_local_experts=2,
+                                       num_experts_per_tok=1, max_position_embeddings=64,
+                                       attn_implementation=impl)
+    return transformers.GptOssModel(config), expect(0, [(f"layers.{i}", "attention sinks")
+                                                        for i in range(LAYERS)])
+
+
 FAMILIES = {"gpt2": gpt2, "llama_gqa": llama_gqa, "bert": bert, "vit": vit, "t5": t5,
             "bloom": bloom, "deberta_v2": deberta_v2, "deberta_v2_relative": deberta_v2_relative,
-            "falcon_alibi": falcon_alibi}
-# Bloom and DeBERTa-v2 have no SDPA implementation in transformers
-FAMILY_IMPLS = {"bloom": ("eager",), "deberta_v2": ("eager",), "deberta_v2_relative": ("eager",)}
+            "falcon_alibi": falcon_alibi, "gemma2": gemma2, "gpt_oss": gpt_oss}
+# Bloom, DeBERTa-v2, Gemma2 and gpt-oss have no SDPA implementation in transformers
+FAMILY_IMPLS = {"bloom": ("eager",), "deberta_v2": ("eager",), "deberta_v2_relative": ("eager",),
+                "gemma2": ("eager",), "gpt_oss": ("eager",)}
 
 
 def inputs(family, padded, seed=0):
