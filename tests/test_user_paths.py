@@ -96,13 +96,19 @@ def test_flex_attention_is_rewritten():
         ("flex", "model.layers.1.self_attn", "rewritten")], str(report)
 
 
-def test_explain_leaves_compiled_models_alone():
+def counting_backend():
+    """A backend that runs graphs as they are, and the list of the graphs it was given."""
     compilations = []
 
     def counting(gm, example_inputs):
         compilations.append(gm)
         return gm.forward
 
+    return counting, compilations
+
+
+def test_explain_leaves_compiled_models_alone():
+    counting, compilations = counting_backend()
     model = TinyTransformer()
     tokens = torch.randint(0, 50, (1, 20))
     torch._dynamo.reset()
@@ -121,12 +127,7 @@ def test_explain_sees_modules_compiled_in_place(where):
     its own compiled function: explain still reports every site (their graphs had gone to the
     model's own backend, and explain reported none), and afterwards the model calls its own
     compilation again (its backend sees no new graph for the same input)."""
-    compilations = []
-
-    def counting(gm, example_inputs):
-        compilations.append(gm)
-        return gm.forward
-
+    counting, compilations = counting_backend()
     model = TinyTransformer()
     tokens = torch.randint(0, 50, (1, 20))
     torch._dynamo.reset()
