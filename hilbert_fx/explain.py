@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 from dataclasses import dataclass
 
 import torch
 
 from .backend import HilbertBackend
+from .generation import ISOLATES
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def explain(model, *args, backend=None, **kwargs) -> Report:
     # one: where torch.compile can keep a call's entries apart (isolate_recompiles) they are
     # kept apart, elsewhere the cap is lifted for this call.
     with _own_compilations_off(model):
-        if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        if ISOLATES:
             torch.compile(model, backend=recorder, isolate_recompiles=True)(*args, **kwargs)
         else:
             with torch._dynamo.config.patch(recompile_limit=1 << 20):

@@ -346,8 +346,7 @@ def backward(dout, q, k, v, out, lse, plans: list[BranchPlan], *, is_causal: boo
             h, s, lq = block.queries.shape
             dog = _gather(dout, block, True)
             og = _gather(out, block, True)
-            lg = lse_pad.view(b, hq * (n + 1))[:, _rows(block, True, 1, n + 1, 1, None)]
-            lg = lg.view(b, h * s, lq)
+            lg = _gather(lse_pad.unsqueeze(-1), block, True).view(b, h * s, lq)
             if block.padded or block.q_valid is not None:
                 # padded query rows read real rows through the clamp: silence them
                 valid = block.queries_valid.reshape(1, h * s, lq)
