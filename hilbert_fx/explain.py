@@ -105,6 +105,8 @@ def explain(model, *args, backend=None, **kwargs) -> Report:
     for record in recorder.records:
         for s in record.sites:
             config = s.config.describe() if s.config is not None else ""
+            if config and isinstance(s.dropout_p, (int, float)) and s.dropout_p > 0:
+                config += f", dropout_p={s.dropout_p:g}"  # the model's, kept by the op
             sites.append(SiteReport(s.kind, s.module, s.action, s.reason, s.lowering, config,
                                     structure_of(s)))
     return Report(sites, [r.graph_before for r in recorder.records],

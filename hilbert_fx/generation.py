@@ -12,6 +12,9 @@ What each way of compiling runs (transformers 5.x):
 - `generation_config.compile_config` (a static cache): generate() compiles `model.__call__`
   for the decoding steps only (on CUDA, or CPU with `_compile_all_devices`); the prefill runs
   uncompiled (dense), and the 4-D mask is an input, as above. Not the way to use the backend.
+- An encoder-decoder model (Bart, T5, Whisper): generate() runs the encoder once, through
+  `model.get_encoder()`, before the first forward, so compiling `model.forward` alone leaves the
+  encoder's self-attention dense; `compile_for_generate` compiles the encoder's forward too.
 """
 from __future__ import annotations
 
@@ -33,6 +36,9 @@ def compile_for_generate(model, backend="hilbert_dilated", **compile_kwargs):
     the model. `compile_kwargs` go to torch.compile (mode, dynamic, options, ...). A model
     compiled in place (`model.compile()`) is compiled this way instead from then on."""
     model.forward = _compiled_forward(model.forward, backend, compile_kwargs)
+    encoder = _encoder_run_by_generate(model)
+    if encoder is not None:
+        encoder.forward = _compiled_forward(encoder.forward, backend, compile_kwargs)
     # a model compiled in place (model.compile(), as for transformers' Trainer) would call its
     # own compilation around this forward, and Dynamo would hand generate()'s graphs to that
     # one's backend: from here on the compiled forward serves every call
@@ -47,6 +53,17 @@ def compile_for_generate(model, backend="hilbert_dilated", **compile_kwargs):
         # backend, and run that in place of this forward
         config.disable_compile = True
     return model
+
+
+def _encoder_run_by_generate(model):
+    """The module generate() calls before the first forward (an encoder-decoder model's encoder,
+    `get_encoder()`), or None."""
+    config = getattr(model, "config", None)
+    get_encoder = getattr(model, "get_encoder", None)
+    if not getattr(config, "is_encoder_decoder", False) or get_encoder is None:
+        return None
+    encoder = get_encoder()
+    return encoder if isinstance(encoder, torch.nn.Module) and encoder is not model else None
 
 
 # entries of one code object that generate()'s forwards may add (Dynamo's default is 8)
@@ -72,6 +89,8 @@ def _compiled_forward(forward, backend, compile_kwargs: dict):
     config = torch._dynamo.config
 
     def forward_with_room(*args, **kwargs):
+        if torch.compiler.is_compiling():  # inside another compiled forward (the encoder's,
+            return forward(*args, **kwargs)  # within the model's): traced as part of it
         before = config.recompile_limit  # set and put back by hand: config.patch costs 30x
         if before >= RECOMPILE_LIMIT:
             return compiled(*args, **kwargs)

@@ -139,23 +139,30 @@ def test_cross_attention_is_left_alone_with_its_reason():
 
 
 def test_dropout_in_training_draws_fresh_masks_and_trains():
+    """SDPA's dropout_p goes to the op (q, k, v from one sequence: a self-attention the pass
+    rewrites, as explain's row says, dropout included): the same torch seed gives the same
+    dropout, each call a fresh one, and the gradients flow."""
     torch.manual_seed(0)
     n = 29
 
-    def attention(q, k, v):
+    def attention(x):
+        q, k, v = x.split(8, dim=-1)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True)
 
     be = hilbert_fx.backend(W, R, lowering="sdpa")
     compiled = torch.compile(attention, backend=be)
-    q, k, v = (torch.randn(1, 2, n, 8, requires_grad=True) for _ in range(3))
+    x = torch.randn(1, 2, n, 24, requires_grad=True)
     torch.manual_seed(1)
-    a = compiled(q, k, v)
+    a = compiled(x)
     torch.manual_seed(1)
-    b = compiled(q, k, v)
-    c = compiled(q, k, v)
+    b = compiled(x)
+    c = compiled(x)
     assert torch.equal(a, b), "the same torch seed must give the same dropout"
     assert not torch.equal(a, c), "each call must draw a fresh dropout mask"
-    no_dropout = hilbert_fx.dilated_attention(q, k, v, W, R, hilbert=True, is_causal=True)
+    no_dropout = hilbert_fx.dilated_attention(*x.split(8, dim=-1), W, R, hilbert=True,
+                                              is_causal=True)
     assert not torch.allclose(a, no_dropout)
     a.sum().backward()
-    assert all(torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0 for t in (q, k, v))
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    report = str(hilbert_fx.explain(attention, x, backend=be))
+    assert "dropout_p=0.5" in report and "1 rewritten" in report, report

@@ -408,6 +408,47 @@ def test_generate_after_training_in_the_same_process(monkeypatch, isolates, in_p
                                     for s in decoding), (cache, described(be))
 
 
+def bart():
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=LAYERS, decoder_layers=LAYERS,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None, init_std=0.3,
+        attn_implementation="sdpa"))
+
+
+@pytest.mark.parametrize("isolates", [True, False] if hilbert_fx.generation.ISOLATES else [False],
+                         ids=lambda x: "isolated" if x else "limit raised")
+def test_encoder_decoder_generate_runs_the_encoder_through_the_pass(monkeypatch, isolates):
+    """generate() runs an encoder-decoder model's encoder once, through get_encoder(), before
+    its first forward: compile_for_generate compiles the encoder too, so that each token is the
+    argmax of a full forward of the compiled model (with the encoder left dense, most were
+    not) and the encoder's self-attention is rewritten during generate(). A full forward still
+    runs as one graph: the encoder's compiled forward is traced as part of the model's."""
+    monkeypatch.setattr(hilbert_fx.generation, "ISOLATES", isolates)
+    torch.manual_seed(0)
+    model = bart().eval()
+    src, new = tokens(48, 5), 8
+    torch._dynamo.reset()
+    be = recording_backend(W, R)
+    hilbert_fx.compile_for_generate(model, backend=be)
+    with torch.no_grad():
+        out = model.generate(src, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             eos_token_id=None)
+        generate_sites = recorded_sites(be)
+        be.records.clear()
+        for t in range(1, new + 1):
+            full = model(input_ids=src, decoder_input_ids=out[:, :t], use_cache=False)
+            assert out[0, t] == full.logits[0, -1].argmax(), t
+        graphs = {len(r.sites) for r in be.records}
+    # the encoder's graph names its sites from the encoder down
+    encoder = {s.module for s in generate_sites if s.module.startswith("layers.")
+               and s.action == "rewritten"}
+    assert encoder == {f"layers.{i}.self_attn" for i in range(LAYERS)}, \
+        [(s.module, s.action) for s in generate_sites]
+    assert graphs == {3 * LAYERS}, graphs  # one graph a forward: encoder, decoder, cross sites
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_beam_search_gives_each_row_what_the_reference_gives_it_alone(cache):
     """Beam search (3 beams, the cache reordered between steps) over a batch whose second
