@@ -57,6 +57,10 @@ class Report:
         rewritten = sum(s.action == "rewritten" for s in self.sites)
         lines.append(f"{len(self.sites)} attention sites in {len(self.graph_before)} graphs: "
                      f"{rewritten} rewritten, {len(self.sites) - rewritten} skipped")
+        if not self.graph_before:
+            lines.append("no graph reached the backend: Dynamo compiled nothing of the model "
+                         "(it broke the graph before any tensor operation, or skipped the "
+                         "code; TORCH_LOGS=graph_breaks says where), which ran as it is")
         return "\n".join(lines)
 
     __repr__ = __str__

@@ -263,3 +263,47 @@ def test_values_with_their_own_head_dim_are_rewritten_and_exact():
     (dx,) = torch.autograd.grad(out, x, grad)
     (dx_ref,) = torch.autograd.grad(expected, x, grad.double())
     torch.testing.assert_close(dx.double(), dx_ref.double(), atol=5e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("optimize_ddp", [True, False], ids=["cut", "whole"])
+def test_ddp_pieces_say_how_to_keep_the_graph_whole(tmp_path, monkeypatch, optimize_ddp):
+    """Under DistributedDataParallel, Dynamo's DDP optimizer cuts the model's graph at its
+    gradient buckets and hands the backend each piece: buckets small enough cut between q's and
+    k, v's projections, and the piece holding the attention cannot show that it is a
+    self-attention. Its row says so and how to keep the graph whole (the optimizer off), under
+    which every site is rewritten."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from models import recorded_sites, recording_backend
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        cap = 2 ** -10  # MB: buckets of 1 KB, a cut after every weight
+        monkeypatch.setattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", int(cap * 2 ** 20))
+        torch.manual_seed(0)
+        model = DistributedDataParallel(TinyTransformer(), bucket_cap_mb=cap)
+        be = recording_backend(W, R)
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(optimize_ddp=optimize_ddp):
+            torch.compile(model, backend=be)(torch.randint(0, 50, (1, 23))).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    sites = recorded_sites(be)
+    if optimize_ddp:
+        skipped = [s for s in sites if s.action == "skipped"]
+        assert len(be.records) > 2 and skipped, [(s.action, s.reason) for s in sites]
+        assert all("optimize_ddp" in s.reason for s in skipped), [s.reason for s in skipped]
+    else:
+        assert len(sites) == 2 and all(s.action == "rewritten" for s in sites), \
+            [(s.action, s.reason) for s in sites]
+
+
+def test_explain_says_when_no_graph_reached_the_backend():
+    """A model Dynamo compiles nothing of (here its forward is disabled) runs as it is: explain
+    says so rather than only counting 0 sites in 0 graphs."""
+    model = TinyTransformer()
+    model.forward = torch._dynamo.disable(model.forward)
+    report = str(hilbert_fx.explain(model, torch.randint(0, 50, (1, 9)),
+                                    backend=hilbert_fx.backend(W, R, lowering="sdpa")))
+    assert "0 attention sites in 0 graphs" in report and "no graph reached the backend" in report
