@@ -288,13 +288,19 @@ def test_t5_in_training_keeps_its_learned_position_bias_and_says_why():
 
 
 def test_llama_gqa_through_inductor_trains_like_eager():
-    """The whole backend (Inductor included), forward and backward, identity configuration."""
+    """The whole backend (Inductor included), forward and backward, identity configuration:
+    both sites rewritten (the identity configuration equals dense attention, so the values
+    alone would not tell a rewritten site from one left as it was)."""
     torch.manual_seed(0)
     model, _ = llama_gqa("sdpa")
     kwargs = inputs("llama_gqa", False)
     torch._dynamo.reset()
     be = hilbert_fx.backend(**IDENTITY, lowering="sdpa")
+    be.keep_records = True
     out = output(torch.compile(model, backend=be)(**kwargs))
+    sites = [s for record in be.records for s in record.sites]
+    assert [s.action for s in sites] == ["rewritten"] * LAYERS, [s.reason for s in sites]
+    assert all("hilbert_fx.dilated_attention" in r.graph_after for r in be.records)
     grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
     eager = output(model(**kwargs))
     eager_grads = torch.autograd.grad(eager.square().sum(), list(model.parameters()))

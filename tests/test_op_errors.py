@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import hilbert_fx
+from reference import reference_dilated_attention
 
 
 def x(*shape):
@@ -17,7 +18,9 @@ def call(q=Q, k=K, v=V, segs=(4,), rates=(1,), **kw):
 
 
 def test_good_call_works():
-    assert call().shape == Q.shape
+    # (4,), (1,) at N = 8: two segments of 4, not dense attention
+    expected = reference_dilated_attention(Q, K, V, (4,), (1,))
+    torch.testing.assert_close(call().double(), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("segs,rates", [((4, 8), (1,)), ((4,), (1, 2)), ((4, 8, 16), (1, 2))])
@@ -54,7 +57,9 @@ def test_gqa_heads_without_enable_gqa():
     k = x(1, 2, 8, 4)
     with pytest.raises(ValueError, match="enable_gqa"):
         call(k=k, v=k)
-    assert call(k=k, v=k, enable_gqa=True).shape == Q.shape  # and fine with it
+    expected = reference_dilated_attention(Q, k, k, (4,), (1,), enable_gqa=True)
+    torch.testing.assert_close(call(k=k, v=k, enable_gqa=True).double(), expected,
+                               atol=1e-5, rtol=1e-5)  # and fine with it
 
 
 @pytest.mark.parametrize("nk", [7, 9])
