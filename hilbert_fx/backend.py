@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from . import ddp_pieces
 from .config import DEFAULT_DILATION_RATES, DEFAULT_SEGMENT_LENGTHS, DilatedConfig
 from .dataflow import DataFlow
 from .find import find_sites
@@ -102,11 +103,13 @@ class HilbertBackend:
 
     def transform(self, gm: fx.GraphModule) -> GraphRecord:
         before = graph_code(gm)
+        ddp_pieces.note_piece(gm)  # a DDP model's pieces: the whole graph read at the first
         graphs = [gm] + [sub for _, sub in subgraphs(gm)]
         roots = compiled_roots()
         scoped = any(graph_is_scoped(g.graph, roots) for g in graphs)
         names = module_names()
-        flows = caller_inputs(gm, {})
+        # a DDP model's piece reads what other pieces pass it where they built it
+        flows = caller_inputs(gm, {gm: DataFlow(gm.graph, ddp_pieces.outer(gm))})
         # find in every graph before rewriting any: a subgraph's masks are read in its caller
         found = [(g, find_sites(g.graph, flows.get(g))) for g in graphs]
         used = {g: {n for n in g.graph.nodes if n.op == "placeholder" and n.users} for g in graphs}

@@ -22,6 +22,9 @@ from .fx_vocab import ATTENTION_TARGETS, PRODUCTS, example, is_parameter, op_nam
 from .triangles import Triangles, names_nodes
 
 
+CROSS = "keys/values are not computed from the queries' sequence (cross-attention)"
+
+
 def activation_sources(graph: fx.Graph) -> dict[fx.Node, frozenset]:
     """For every node, the set of activation placeholders it depends on. Parameters, buffers
     and sizes (SymInt placeholders of dynamic shapes) are not activations."""
@@ -115,7 +118,7 @@ class DataFlow:
 
         Returns (node, "") or (None, reason). Walks up from the nodes in decreasing graph order,
         so it only visits what lies between them and their common source."""
-        cross = "keys/values are not computed from the queries' sequence (cross-attention)"
+        cross = CROSS
         nodes = list(dict.fromkeys(n for n in nodes if isinstance(n, fx.Node)))
         if not nodes:
             return None, "q, k and v are not nodes of the graph"

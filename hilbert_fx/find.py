@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from .dataflow import DataFlow
+from .ddp_pieces import reconcile
 from .detect_manual import find_manual_sites
 from .detect_mha import find_mha_sites
 from .detect_sdpa import find_flex_sites, find_sdpa_sites
@@ -64,8 +65,6 @@ def _complete(match: Match, flow: DataFlow) -> Match:
         # cached rows are that sequence's, by the cache)
         new_kv = match.sequences.new_kv if match.sequences is not None else None
         _, reason = flow.common_source([match.q, *(new_kv or (match.k, match.v))])
-        if reason and _in_ddp_piece():
-            reason += DDP_PIECE
     if reason:
         return replace(match, reason=reason)
     if match.enable_gqa is False and match.shapes is None:
@@ -74,35 +73,13 @@ def _complete(match: Match, flow: DataFlow) -> Match:
     return match
 
 
-# Under DistributedDataParallel, Dynamo's DDP optimizer cuts the model's graph at its gradient
-# buckets and hands the backend each piece alone: where a cut falls between the projections of
-# q and of k, v (buckets of 25 MB cut inside a Llama-7B-shaped layer), the piece cannot show
-# that they come from one sequence. Cut pieces go uncut with the optimizer off.
-DDP_PIECE = ("; or this graph is a piece of the model that Dynamo's DDP optimizer cut at its "
-             "gradient buckets, between q's and k, v's projections: set "
-             "torch._dynamo.config.optimize_ddp = 'python_reducer' (or False) before compiling "
-             "a DistributedDataParallel model")
-
-
-def _in_ddp_piece() -> bool:
-    """Whether the graph being compiled may be a piece of a DistributedDataParallel model's graph
-    cut by Dynamo's DDP optimizer (the condition under which Dynamo cuts: torch/_dynamo/
-    convert_frame.py)."""
-    try:
-        from torch._dynamo.utils import get_optimize_ddp_mode
-        from torch.nn.parallel import DistributedDataParallel
-        return (get_optimize_ddp_mode() == "ddp_optimizer"
-                and DistributedDataParallel._get_active_ddp_module() is not None)
-    except (ImportError, AttributeError):
-        return False
-
-
 def find_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list[Match]:
     """Every attention site of the graph, with `reason` set for those that are not rewritable.
     `flow`: the graph's DataFlow, when the caller made it (a subgraph's knows its callers)."""
     flow = flow if flow is not None else DataFlow(graph)
     found = [match for finder in FINDERS for match in finder(graph, flow)]
-    matches = [_complete(match, flow) for match in found]
+    # in a piece of a DDP model's graph, a site as the whole graph reads it (ddp_pieces.py)
+    matches = [reconcile(_complete(match, flow)) for match in found]
     matches.sort(key=lambda m: flow.order[m.output])
     return matches
 

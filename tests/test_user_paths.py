@@ -4,6 +4,7 @@ module names, configuration messages, optional dependencies."""
 from __future__ import annotations
 
 import builtins
+import copy
 import io
 import os
 import subprocess
@@ -265,38 +266,96 @@ def test_values_with_their_own_head_dim_are_rewritten_and_exact():
     torch.testing.assert_close(dx.double(), dx_ref.double(), atol=5e-5, rtol=1e-3)
 
 
-@pytest.mark.parametrize("optimize_ddp", [True, False], ids=["cut", "whole"])
-def test_ddp_pieces_say_how_to_keep_the_graph_whole(tmp_path, monkeypatch, optimize_ddp):
-    """Under DistributedDataParallel, Dynamo's DDP optimizer cuts the model's graph at its
-    gradient buckets and hands the backend each piece: buckets small enough cut between q's and
-    k, v's projections, and the piece holding the attention cannot show that it is a
-    self-attention. Its row says so and how to keep the graph whole (the optimizer off), under
-    which every site is rewritten."""
+def ddp_run(model, inputs, tmp_path, monkeypatch, be, **config):
+    """Forward and backward of `model` under DistributedDataParallel (one process, gloo), with
+    buckets of 1 KB so that Dynamo's DDP optimizer cuts the graph after every weight (between
+    q's and k, v's projections among others); (outputs, gradients)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from models import recorded_sites, recording_backend
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        cap = 2 ** -10  # MB: buckets of 1 KB, a cut after every weight
+        cap = 2 ** -10  # MB
         monkeypatch.setattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", int(cap * 2 ** 20))
-        torch.manual_seed(0)
-        model = DistributedDataParallel(TinyTransformer(), bucket_cap_mb=cap)
-        be = recording_backend(W, R)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=cap)
         torch._dynamo.reset()
-        with torch._dynamo.config.patch(optimize_ddp=optimize_ddp):
-            torch.compile(model, backend=be)(torch.randint(0, 50, (1, 23))).sum().backward()
+        with torch._dynamo.config.patch(**config):
+            out = torch.compile(ddp, backend=be)(*inputs)
+            out.square().sum().backward()
     finally:
         dist.destroy_process_group()
+    return out.detach(), [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("optimize_ddp", [True, False], ids=["cut", "whole"])
+def test_ddp_pieces_are_read_against_the_whole_graph(tmp_path, monkeypatch, optimize_ddp):
+    """Under DistributedDataParallel, Dynamo's DDP optimizer cuts the model's graph at its
+    gradient buckets and hands the backend each piece alone; where q arrives cut from k, v's
+    projections the pass proves self-attention on the whole graph (read at the first piece):
+    every site rewritten, outputs and gradients those of the model compiled without DDP."""
+    from models import recorded_sites, recording_backend
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    plain = copy.deepcopy(model)
+    tokens = torch.randint(0, 50, (2, 23))
+    be = recording_backend(W, R)
+    out, grads = ddp_run(model, (tokens,), tmp_path, monkeypatch, be, optimize_ddp=optimize_ddp)
     sites = recorded_sites(be)
-    if optimize_ddp:
-        skipped = [s for s in sites if s.action == "skipped"]
-        assert len(be.records) > 2 and skipped, [(s.action, s.reason) for s in sites]
-        assert all("optimize_ddp" in s.reason for s in skipped), [s.reason for s in skipped]
-    else:
-        assert len(sites) == 2 and all(s.action == "rewritten" for s in sites), \
-            [(s.action, s.reason) for s in sites]
+    assert len(be.records) > 2 or not optimize_ddp, len(be.records)
+    assert [s.action for s in sites] == ["rewritten"] * 2, [(s.action, s.reason) for s in sites]
+    torch._dynamo.reset()
+    expected = torch.compile(plain, backend=recording_backend(W, R))(tokens)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected.detach())
+    for g, e in zip(grads, [p.grad for p in plain.parameters()]):
+        torch.testing.assert_close(g, e)
+
+
+def test_ddp_pieces_keep_cross_attention_dense(tmp_path, monkeypatch):
+    """Read against the whole graph, a cross-attention cut from its queries stays a
+    cross-attention: skipped with the whole graph's reason."""
+    from models import EncoderDecoder, recorded_sites, recording_backend
+    torch.manual_seed(0)
+    be = recording_backend(W, R)
+    src, tgt = torch.randn(1, 23, 32), torch.randn(1, 23, 32)
+    ddp_run(EncoderDecoder(), (src, tgt), tmp_path, monkeypatch, be)
+    sites = {s.module.removeprefix("module."): s for s in recorded_sites(be)}
+    described = {m: (s.action, s.reason) for m, s in sites.items()}
+    assert sites["encoder.attn"].action == sites["self_attn"].action == "rewritten", described
+    cross = sites["cross_attn"]
+    assert cross.action == "skipped" and "cross-attention" in cross.reason, cross.reason
+
+
+def test_ddp_pieces_skip_a_structure_built_in_another_piece(tmp_path, monkeypatch):
+    """A left-padded batch: the model compiled whole reads its padding as sequences (SPEC
+    section 5); a piece of it cut by the DDP optimizer gets the 4-D mask from another piece and
+    cannot build that structure, so the site is skipped with the reason (dense, as the model
+    ran before the backend) rather than given the pattern laid over the row."""
+    transformers = pytest.importorskip("transformers")
+    from models import recorded_sites, recording_backend
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=96, max_position_embeddings=64, pad_token_id=0))
+    ids = torch.randint(3, 96, (2, 23))
+    mask = torch.ones(2, 23, dtype=torch.long)
+    mask[1, :6] = 0
+    be = recording_backend(W, R)
+
+    class Logits(torch.nn.Module):  # DDP's forward takes positional arguments only
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, mask):
+            return self.model(input_ids=ids, attention_mask=mask).logits
+
+    ddp_run(Logits(), (ids, mask), tmp_path, monkeypatch, be)
+    sites = recorded_sites(be)
+    assert len(sites) == 2 and all(s.action == "skipped" and "causal with padding" in s.reason
+                                   and "optimize_ddp" in s.reason for s in sites), \
+        [(s.action, s.reason) for s in sites]
 
 
 def test_explain_says_when_no_graph_reached_the_backend():
