@@ -15,7 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hilbert_fx
-from reference import reference_dilated_attention, reference_sequences
+from hilbert_fx.lowering import dropout
+from reference import dropout_keep_of_positions, reference_dilated_attention, reference_sequences
 
 W, R = (8, 16), (1, 2)
 B, N, H, D = 2, 24, 4, 8
@@ -477,6 +478,18 @@ def test_dropout_on_the_probabilities_becomes_the_ops_dropout(fn):
     assert call.args[8] == rec.sites[0].dropout_p
     code = "\n".join(gm.code for gm in rec.graphs)
     assert "dropout(" not in code.replace("dilated_attention", "")
+    # what it computes: the float64 reference with the op's keep bits, from the seed the op
+    # draws from torch's generator
+    p = rec.sites[0].dropout_p
+    torch.manual_seed(5)
+    out = torch.compile(model, backend=Recorder(), fullgraph=True)(x, keep)
+    torch.manual_seed(5)
+    seed = dropout.new_seed(torch.device("cpu"))
+    q, k, v = project(x.double(), model.w.double())
+    expected = merge(reference_dilated_attention(
+        q, k, v, W, R, hilbert=True, dropout_p=p,
+        dropout_keep=dropout_keep_of_positions(seed, B, H, range(N), p)))
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------

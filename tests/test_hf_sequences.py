@@ -18,6 +18,8 @@ time; tests/test_hf_models.py runs the whole backend.
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -25,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 
 import hilbert_fx  # noqa: E402
 from models import recorded_sites, recording_backend, register_reference_attention  # noqa: E402
+from reference import reference_dilated_attention  # noqa: E402
 
 W, R = (8, 16), (1, 2)
 VOCAB, LAYERS = 96, 2
@@ -556,3 +559,28 @@ def test_a_mask_the_pass_cannot_take_keeps_section_2_and_says_why():
     assert site.action == "rewritten", report
     assert "attn_mask passed" in site.structure and "a padding mask" in site.structure, report
     assert "attn_mask passed" in str(report)
+
+    # what it computes: the float64 reference with the model's mask (causal, window, padding)
+    # laid over the row's pattern, on every real query
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        assert attention_mask is not None and attention_mask.dtype == torch.bool
+        out = reference_dilated_attention(query, key, value, W, R, hilbert=True,
+                                          attn_mask=attention_mask, scale=scaling,
+                                          enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+
+    name = "hilbert_fx_reference_section_2"
+    transformers.AttentionInterface.register(name, attention)
+    transformers.AttentionMaskInterface.register(name, transformers.masking_utils.sdpa_mask)
+    reference = copy.deepcopy(model).double()
+    reference.config._attn_implementation = name
+    ids = tokens(20, 1).expand(2, -1)
+    torch._dynamo.reset()
+    be = recording_backend(W, R)
+    with torch.no_grad():
+        out = torch.compile(model, backend=be)(input_ids=ids, attention_mask=mask,
+                                               use_cache=False).logits
+        expected = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert [s.action for s in recorded_sites(be)] == ["rewritten"]
+    real = mask.bool()
+    torch.testing.assert_close(out[real].double(), expected[real], atol=1e-5, rtol=1e-5)
