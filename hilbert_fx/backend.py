@@ -103,13 +103,14 @@ class HilbertBackend:
 
     def transform(self, gm: fx.GraphModule) -> GraphRecord:
         before = graph_code(gm)
-        ddp_pieces.note_piece(gm)  # a DDP model's pieces: the whole graph read at the first
+        ddp_pieces.start_piece(gm)  # a piece of a DDP model's graph: the whole graph read
         graphs = [gm] + [sub for _, sub in subgraphs(gm)]
         roots = compiled_roots()
         scoped = any(graph_is_scoped(g.graph, roots) for g in graphs)
         names = module_names()
         # a DDP model's piece reads what other pieces pass it where they built it
-        flows = caller_inputs(gm, {gm: DataFlow(gm.graph, ddp_pieces.outer(gm))})
+        flows = caller_inputs(gm, {gm: DataFlow(gm.graph, ddp_pieces.outer(gm),
+                                                outer_where=ddp_pieces.WHERE)})
         # find in every graph before rewriting any: a subgraph's masks are read in its caller
         found = [(g, find_sites(g.graph, flows.get(g))) for g in graphs]
         used = {g: {n for n in g.graph.nodes if n.op == "placeholder" and n.users} for g in graphs}
@@ -134,6 +135,7 @@ class HilbertBackend:
         for g in changed:
             g.graph.lint()
             g.recompile()
+        ddp_pieces.end_piece(gm)
         record = GraphRecord(sites, before, graph_code(gm))
         if self.keep_records:
             self.records.append(record)

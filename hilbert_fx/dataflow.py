@@ -61,12 +61,15 @@ def _reached(start: fx.Node, step) -> set:
 class DataFlow:
     """Ancestry questions over one graph."""
 
-    def __init__(self, graph: fx.Graph, outer: dict | None = None):
+    def __init__(self, graph: fx.Graph, outer: dict | None = None,
+                 outer_where: str = "outside this region (a checkpointed body)"):
         """`outer` maps placeholders of a subgraph (the body of a higher-order op, such as a
-        checkpointed region) to (the calling graph's DataFlow, the node passed in there), so
-        that a mask built outside the region is still read where it was built."""
+        checkpointed region; a piece of a DDP model's graph) to (the calling or whole graph's
+        DataFlow, the node passed in there), so that a mask built outside the subgraph is still
+        read where it was built; `outer_where` says, in words, where that is."""
         self.graph = graph
         self.outer = outer or {}
+        self.outer_where = outer_where
         self.order = {n: i for i, n in enumerate(graph.nodes)}
         self.sources = activation_sources(graph)
         self._constants: dict = {}
@@ -118,7 +121,6 @@ class DataFlow:
 
         Returns (node, "") or (None, reason). Walks up from the nodes in decreasing graph order,
         so it only visits what lies between them and their common source."""
-        cross = CROSS
         nodes = list(dict.fromkeys(n for n in nodes if isinstance(n, fx.Node)))
         if not nodes:
             return None, "q, k and v are not nodes of the graph"
@@ -145,7 +147,7 @@ class DataFlow:
                     seen.add(inp)
                     heapq.heappush(heap, (-self.order[inp], id(inp), inp))
         if source is None:
-            return None, cross
+            return None, CROSS
         # Which of the popped nodes descend from the source (they lie between it and the nodes)?
         below = {source}
         for n in sorted(popped, key=self.order.__getitem__):
@@ -153,7 +155,7 @@ class DataFlow:
                 below.add(n)
         for b in below:
             if b is not source and b not in nodes and self.mixes_positions(b):
-                return None, cross
+                return None, CROSS
         return source, ""
 
     # -- causal triangles for every size ------------------------------------------------------

@@ -8,13 +8,14 @@ input of the piece. The optimizer compiles the pieces from an fx Interpreter ove
 (its SubmodCompiler, on the stack while the backend runs), the first while every piece is still
 a GraphModule: there the pass reads the whole graph, pieces inlined (each piece node, inputs
 included, mapped to its copy: nodes are named afresh in each piece, so names do not tell), and
-finds its attention sites. A piece's site then takes the whole graph's reading (`reconcile`):
-self-attention proved there, a cross-attention left dense; where the whole graph shows a
-sequence structure (padding, packed documents) that the piece does not, its tensors being built
-in another piece, the site is skipped with the reason rather than given another attention than
-the model compiled whole. Anything unexpected (another torch's optimizer, a piece already
-compiled) leaves the piece's own reading, and a cross-attention reason says how to keep the
-graph whole (DDP_PIECE).
+finds its attention sites. A piece's site then takes the whole graph's proof (`whole_reason`):
+self-attention proved there, a cross-attention left dense. Its mask is read in the piece, whose
+inputs link to where the whole graph built them (`outer`); a sequence structure (padding,
+packed documents) built from tensors of another piece cannot be built in this one, so the mask
+is passed as it is, and the site's row says what the whole graph reads (`mask_note`). Anything
+unexpected (another torch's optimizer, a piece already compiled, a whole graph the finders
+cannot read) leaves the piece's own reading, and a cross-attention reason then says how to keep
+the graph whole (DDP_PIECE).
 """
 from __future__ import annotations
 
@@ -22,21 +23,33 @@ import operator
 import sys
 import weakref
 from dataclasses import replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch.fx as fx
 
 from .dataflow import CROSS, DataFlow
 
-KEEP_WHOLE = ("set torch._dynamo.config.optimize_ddp = 'python_reducer' (or False) before "
-              "compiling a DistributedDataParallel model")
+# read by Dynamo when it compiles a DDP model's frame; "python_reducer" is read when DDP is
+# constructed and needs compiled autograd
+KEEP_WHOLE = ("set torch._dynamo.config.optimize_ddp = False before compiling a "
+              "DistributedDataParallel model to keep its graph whole")
 DDP_PIECE = ("; or this graph is a piece of the model that Dynamo's DDP optimizer cut at its "
              "gradient buckets, between q's and k, v's projections: " + KEEP_WHOLE)
+WHERE = "in another piece of the graph, which Dynamo's DDP optimizer cut at DDP's gradient buckets"
 
-# the cut graph -> (the whole graph's DataFlow, each piece node's copy there, the whole graph's
-# matches by output node), or None where it could not be read; made at the optimizer's first
-# piece and kept while the cut graph lives
+
+class Whole(NamedTuple):
+    """What the pass read of the whole graph a DDP model's pieces were cut from."""
+    flow: DataFlow
+    copies: dict  # each piece node (inputs included) -> its copy in the whole graph
+    matches: dict  # the whole graph's attention matches by their output node
+    pieces: list  # the pieces not compiled yet
+
+
+# the cut graph -> Whole, or None where it could not be read; made at the optimizer's first
+# piece, dropped once its last piece is compiled
 _whole: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_reading_whole = False  # the whole graph's own sites: nothing to take from it
 
 
 def in_piece() -> bool:
@@ -57,76 +70,102 @@ def is_piece(gm) -> bool:
     return "DDPOptimizer" in str(getattr(reason, "reason", ""))
 
 
-def note_piece(gm: fx.GraphModule) -> None:
-    """Called for every graph the backend compiles: at a cut graph's first piece, read the whole
-    graph while all its pieces are still graphs."""
-    if not is_piece(gm):
+def start_piece(gm: fx.GraphModule) -> None:
+    """Before the pass reads a graph: at a cut graph's first piece, read the whole graph while
+    all its pieces are still graphs."""
+    global _reading_whole
+    cut = _cut_graph() if is_piece(gm) else None
+    if cut is None or cut in _whole:
         return
-    cut = _cut_graph()
-    if cut is not None and cut not in _whole:
-        from .find import find_sites  # find reconciles its matches here
+    from .find import find_sites  # find asks this module about pieces
+    _whole[cut] = None
+    try:
         inlined = _inlined(cut)
         if inlined is None:
-            _whole[cut] = None
             return
         graph, copies = inlined
-        flow = DataFlow(graph)
-        _reading[0] = True
+        flow = DataFlow(graph.graph)
+        _reading_whole = True
         try:
-            matches = {m.output: m for m in find_sites(graph, flow)}
+            matches = {m.output: m for m in find_sites(graph.graph, flow)}
         finally:
-            _reading[0] = False
-        _whole[cut] = (flow, copies, matches)
+            _reading_whole = False
+    except Exception:  # noqa: BLE001 - a whole graph the finders cannot read: pieces alone
+        return
+    pieces = [cut.get_submodule(str(n.target)) for n in cut.graph.nodes if n.op == "call_module"]
+    _whole[cut] = Whole(flow, copies, matches, pieces)
+
+
+def end_piece(gm: fx.GraphModule) -> None:
+    """After the pass rewrote a piece: once the last is done, the whole graph is let go."""
+    cut = _cut_graph() if is_piece(gm) else None
+    whole = _whole.get(cut) if cut is not None else None
+    if whole is not None:
+        whole.pieces[:] = [p for p in whole.pieces if p is not gm]
+        if not whole.pieces:
+            del _whole[cut]
+
+
+def _current() -> Optional[Whole]:
+    """The whole graph of the DDP piece being compiled, where it was read."""
+    if _reading_whole or not in_piece():
+        return None
+    cut = _cut_graph()
+    return _whole.get(cut) if cut is not None else None
 
 
 def outer(gm: fx.GraphModule) -> dict:
-    """For a piece whose whole graph was read: its placeholders -> (the whole graph's DataFlow,
-    the node passed in), so that a mask built in another piece is read where it was built
+    """For a piece whose whole graph was read: its inputs -> (the whole graph's DataFlow, the
+    node passed in), so that a mask built in another piece is read where it was built
     (DataFlow's `outer`, as for a checkpointed region's inputs); else {}."""
-    cut = _cut_graph() if is_piece(gm) else None
-    whole = _whole.get(cut) if cut is not None else None
+    whole = _current() if is_piece(gm) else None
     if whole is None:
         return {}
-    flow, copies, _ = whole
-    found = {}
+    links = {}
     for p in gm.graph.nodes:
-        node = _single(copies.get(p)) if p.op == "placeholder" else None
+        node = _single(whole.copies.get(p)) if p.op == "placeholder" else None
         if isinstance(node, fx.Node):
-            found[p] = (flow, node)
-    return found
+            links[p] = (whole.flow, node)
+    return links
 
 
-def reconcile(match):
-    """A match of the graph being compiled, as the whole graph reads it where the graph is a
-    piece of a DDP model's (`note_piece`); other graphs' matches as they are."""
-    if _reading[0] or not in_piece():
-        return match
-    cut = _cut_graph()
-    whole = _whole.get(cut) if cut is not None else None
-    other = whole[2].get(_single(whole[1].get(match.output))) if whole is not None else None
+def whole_reason(match, reason: str) -> str:
+    """Why `match` is not a self-attention, as the whole graph a DDP piece was cut from says
+    ("" where it is one); a graph that is no piece keeps its own reason."""
+    if _reading_whole or not in_piece():
+        return reason
+    whole = _current()
+    other = _other(whole, match)
     if other is None:  # the piece alone: its cross-attention may be the cut's
-        return replace(match, reason=match.reason + DDP_PIECE) if match.reason == CROSS \
-            else match
-    if other.reason:
-        return replace(match, reason=other.reason)
-    reason = "" if match.reason == CROSS else match.reason
-    if not reason and _mask_reading(match) != _mask_reading(other):
-        reason = (f"the whole graph reads this attention's mask as {_mask_reading(other)[0]}, "
-                  "from tensors built in another piece of the graph, which Dynamo's DDP "
-                  "optimizer cut at its gradient buckets: " + KEEP_WHOLE)
-    return replace(match, reason=reason)
+        return reason + DDP_PIECE if reason == CROSS and _cut_graph() is not None else reason
+    return other.reason if other.reason else ("" if reason == CROSS else reason)
 
 
-def _mask_reading(match) -> tuple:
+def mask_note(match):
+    """A rewritable match of a DDP piece whose mask the whole graph reads otherwise (as a
+    sequence structure built from another piece's tensors): its note says so."""
+    whole = _current()
+    other = _other(whole, match)
+    if other is None or match.reason or _reading(match) == _reading(other):
+        return match
+    note = (f"the whole graph reads it as {_reading(other)[0]}, from tensors built {WHERE}; "
+            + KEEP_WHOLE)
+    return replace(match, note=f"{match.note}; {note}" if match.note else note)
+
+
+def _other(whole: Optional[Whole], match):
+    if whole is None:
+        return None
+    return whole.matches.get(_single(whole.copies.get(match.output)))
+
+
+def _reading(match) -> tuple:
     """What the pass makes of a match's mask: (in words, causal, a mask passed to the op)."""
     passed = match.attn_mask is not None and match.sequences is None
     words = (match.sequences.what if match.sequences is not None
              else "a mask passed as it is" if passed
              else "causal" if match.is_causal else "no mask")
     return words, bool(match.is_causal), passed
-
-
-_reading = [False]  # finding the whole graph's sites: nothing to reconcile them with
 
 
 def _cut_graph() -> Optional[fx.GraphModule]:
@@ -142,14 +181,15 @@ def _cut_graph() -> Optional[fx.GraphModule]:
 
 
 def _inlined(cut: fx.GraphModule) -> Optional[tuple]:
-    """(the cut graph with its pieces inlined, each piece node's copy there), or None where a
-    piece is not a GraphModule. For reading only: get_attr nodes keep their pieces' targets."""
+    """(the cut graph with its pieces inlined, as a GraphModule owning their attributes, each
+    piece node's copy there), or None where a piece is not a GraphModule."""
     graph = fx.Graph()
     env: dict = {}
     copies: dict = {}
     for node in cut.graph.nodes:
         if node.op == "call_module":
-            piece = cut.get_submodule(str(node.target))
+            name = str(node.target)
+            piece = cut.get_submodule(name)
             if not isinstance(piece, fx.GraphModule):
                 return None
             inputs = [n for n in piece.graph.nodes if n.op == "placeholder"]
@@ -160,14 +200,19 @@ def _inlined(cut: fx.GraphModule) -> Optional[tuple]:
                 if n.op == "output":
                     env[node] = fx.map_arg(n.args[0], lambda x: _single(inner[x]))
                 elif n.op != "placeholder":
-                    inner[n] = graph.node_copy(n, lambda x: _single(inner[x]))
+                    copy = graph.node_copy(n, lambda x: _single(inner[x]))
+                    if n.op in ("get_attr", "call_module"):  # the piece's own attributes
+                        copy.target = f"{name}.{n.target}"
+                    inner[n] = copy
             copies.update(inner)
         elif node.op == "call_function" and node.target is operator.getitem \
                 and isinstance(env.get(node.args[0]), (tuple, list)):
             env[node] = env[node.args[0]][node.args[1]]
-        elif node.op != "output":
+        elif node.op == "output":
+            graph.output(fx.map_arg(node.args[0], lambda n: _single(env[n])))
+        else:
             env[node] = graph.node_copy(node, lambda n: _single(env[n]))
-    return graph, copies
+    return fx.GraphModule(cut, graph), copies
 
 
 def _single(value):

@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from . import ddp_pieces
 from .dataflow import DataFlow
-from .ddp_pieces import reconcile
 from .detect_manual import find_manual_sites
 from .detect_mha import find_mha_sites
 from .detect_sdpa import find_flex_sites, find_sdpa_sites
@@ -65,6 +65,8 @@ def _complete(match: Match, flow: DataFlow) -> Match:
         # cached rows are that sequence's, by the cache)
         new_kv = match.sequences.new_kv if match.sequences is not None else None
         _, reason = flow.common_source([match.q, *(new_kv or (match.k, match.v))])
+        # in a piece of a DDP model's graph, the whole graph's proof (ddp_pieces.py)
+        reason = ddp_pieces.whole_reason(match, reason)
     if reason:
         return replace(match, reason=reason)
     if match.enable_gqa is False and match.shapes is None:
@@ -78,8 +80,7 @@ def find_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list[Match]:
     `flow`: the graph's DataFlow, when the caller made it (a subgraph's knows its callers)."""
     flow = flow if flow is not None else DataFlow(graph)
     found = [match for finder in FINDERS for match in finder(graph, flow)]
-    # in a piece of a DDP model's graph, a site as the whole graph reads it (ddp_pieces.py)
-    matches = [reconcile(_complete(match, flow)) for match in found]
+    matches = [ddp_pieces.mask_note(_complete(match, flow)) for match in found]
     matches.sort(key=lambda m: flow.order[m.output])
     return matches
 

@@ -346,8 +346,8 @@ def read_site(flow, q, k, v, attn_mask, is_causal: bool, site: fx.Node, atoms=No
         what = ("the mask is not one the pass reads as a sequence structure (causal, packed "
                 "documents, padding, a cache)")
         if isinstance(attn_mask, fx.Node) and attn_mask in flow.outer:
-            what = ("the mask is built outside this region (a checkpointed body) from tensors the "
-                    "region does not receive, so the pass passes it as it is")
+            what = (f"the mask is built {flow.outer_where} from tensors this graph does not "
+                    "receive, so the pass passes it as it is")
         elif isinstance(attn_mask, fx.Node) and attn_mask.op == "placeholder":
             what = ("the mask is an input of the compiled graph, built outside it (in an earlier "
                     "graph, across a graph break, or by generate() for a static cache), so the "

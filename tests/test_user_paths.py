@@ -327,35 +327,104 @@ def test_ddp_pieces_keep_cross_attention_dense(tmp_path, monkeypatch):
     assert cross.action == "skipped" and "cross-attention" in cross.reason, cross.reason
 
 
-def test_ddp_pieces_skip_a_structure_built_in_another_piece(tmp_path, monkeypatch):
-    """A left-padded batch: the model compiled whole reads its padding as sequences (SPEC
-    section 5); a piece of it cut by the DDP optimizer gets the 4-D mask from another piece and
-    cannot build that structure, so the site is skipped with the reason (dense, as the model
-    ran before the backend) rather than given the pattern laid over the row."""
+@pytest.mark.parametrize("padded", [False, True], ids=["all-ones mask", "left-padded"])
+def test_ddp_pieces_pass_a_mask_built_in_another_piece(tmp_path, monkeypatch, padded):
+    """A transformers Llama given a 2-D attention mask, cut by the DDP optimizer: the model
+    compiled whole reads the mask as sequences (SPEC section 5); a piece receives the 4-D mask
+    built in another piece, and its tensors, so it passes the mask as it is (section 2), which
+    for a mask of ones (what tokenizers give) is the same attention: the outputs are those of
+    the model compiled without DDP. Where the reading differs (left padding), the site's row
+    says what the whole graph reads and how to keep the graph whole."""
     transformers = pytest.importorskip("transformers")
     from models import recorded_sites, recording_backend
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=64, vocab_size=96, max_position_embeddings=64, pad_token_id=0))
+    plain = copy.deepcopy(model)
     ids = torch.randint(3, 96, (2, 23))
     mask = torch.ones(2, 23, dtype=torch.long)
-    mask[1, :6] = 0
-    be = recording_backend(W, R)
+    if padded:
+        mask[1, :6] = 0
 
     class Logits(torch.nn.Module):  # DDP's forward takes positional arguments only
-        def __init__(self):
+        def __init__(self, model):
             super().__init__()
             self.model = model
 
         def forward(self, ids, mask):
             return self.model(input_ids=ids, attention_mask=mask).logits
 
-    ddp_run(Logits(), (ids, mask), tmp_path, monkeypatch, be)
+    be = recording_backend(W, R)
+    out, _ = ddp_run(Logits(model), (ids, mask), tmp_path, monkeypatch, be)
     sites = recorded_sites(be)
-    assert len(sites) == 2 and all(s.action == "skipped" and "causal with padding" in s.reason
-                                   and "optimize_ddp" in s.reason for s in sites), \
+    assert len(be.records) > 2 and [s.action for s in sites] == ["rewritten"] * 2, \
         [(s.action, s.reason) for s in sites]
+    if padded:
+        assert all("causal with padding" in s.match.note and "optimize_ddp" in s.match.note
+                   for s in sites), [s.match.note for s in sites]
+    else:
+        torch._dynamo.reset()
+        expected = torch.compile(Logits(plain), backend=recording_backend(W, R))(ids, mask)
+        torch.testing.assert_close(out, expected.detach())
+
+
+def test_ddp_with_one_bucket_hands_the_whole_graph_over(tmp_path, monkeypatch):
+    """Buckets larger than the model: the optimizer cuts nothing and the backend gets the
+    whole graph, as without DDP; a cross-attention's reason says nothing of pieces."""
+    from models import EncoderDecoder, recorded_sites, recording_backend
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    torch.manual_seed(0)
+    be = recording_backend(W, R)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch._dynamo.reset()
+        model = DistributedDataParallel(EncoderDecoder(), bucket_cap_mb=25)
+        torch.compile(model, backend=be)(torch.randn(1, 23, 32), torch.randn(1, 23, 32))
+    finally:
+        dist.destroy_process_group()
+    sites = {s.module.removeprefix("module."): s for s in recorded_sites(be)}
+    assert len(be.records) == 1, len(be.records)
+    assert sites["encoder.attn"].action == sites["self_attn"].action == "rewritten"
+    assert sites["cross_attn"].reason == "keys/values are not computed from the queries' " \
+        "sequence (cross-attention)", sites["cross_attn"].reason
+
+
+def test_fsdp2_layers_are_rewritten(tmp_path):
+    """FSDP2 (fully_shard per layer and the root; one process, gloo): its hooks break the graph
+    around each layer, and each layer's attention is rewritten; outputs and gradients are those
+    of the model compiled without it."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from models import recorded_sites, recording_backend
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    plain = copy.deepcopy(model)
+    tokens = torch.randint(0, 50, (2, 23))
+    be = recording_backend(W, R)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        torch._dynamo.reset()
+        out = torch.compile(model, backend=be)(tokens)
+        out.square().sum().backward()
+        grads = [p.grad.full_tensor() for p in model.parameters()]
+    finally:
+        dist.destroy_process_group()
+    sites = recorded_sites(be)
+    assert sites and all(s.action == "rewritten" for s in sites), [(s.action, s.reason) for s in sites]
+    torch._dynamo.reset()
+    expected = torch.compile(plain, backend=recording_backend(W, R))(tokens)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out.detach(), expected.detach())
+    for g, p in zip(grads, plain.parameters()):
+        torch.testing.assert_close(g, p.grad)
 
 
 def test_explain_says_when_no_graph_reached_the_backend():
