@@ -5,9 +5,12 @@ cuts between q's and k, v's projections, and the pass must still rewrite every s
 
     torchrun --nproc_per_node 2 scripts/ddp_check.py --bucket-mb 5 --dtype float32
     torchrun --nproc_per_node 2 scripts/ddp_check.py --bucket-mb 5 --time
+    torchrun --nproc_per_node 2 scripts/ddp_check.py --bucket-mb 5 --dtype float32 --attention-mask
 
 A transformers Llama (4 layers, width 2048, 16 heads, N = 8192, random weights, the same ids on
-every rank), one forward and backward under DDP against the same model compiled without it:
+every rank; --attention-mask: with a 2-D attention mask of ones, as tokenizers give, which a
+piece receives as the 4-D mask built in another piece), one forward and backward under DDP
+against the same model compiled without it:
 the sites rewritten (each rank), the loss and the largest relative gradient difference, beside
 the same comparison for dense attention (backend="inductor"), which says how far two
 compilations of one step differ in that dtype. --time: median step time (AdamW) of the dilated
@@ -37,8 +40,8 @@ def largest_grad_difference(model, reference) -> float:
                for p, q in zip(model.parameters(), reference.parameters()))
 
 
-def loss_of(step_model, ids):
-    loss = step_model(input_ids=ids, labels=ids).loss
+def loss_of(step_model, ids, mask=None):
+    loss = step_model(input_ids=ids, labels=ids, attention_mask=mask).loss
     loss.backward()
     return loss.item()
 
@@ -64,6 +67,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--time", action="store_true")
+    ap.add_argument("--attention-mask", action="store_true")
     args = ap.parse_args()
     dist.init_process_group("nccl")
     rank = dist.get_rank()
@@ -78,6 +82,7 @@ def main() -> int:
     plain, dense_ddp, dense_plain = (copy.deepcopy(model) for _ in range(3))
     ids = torch.randint(0, 4096, (1, n), device="cuda",
                         generator=torch.Generator(device="cuda").manual_seed(1))
+    mask = torch.ones_like(ids) if args.attention_mask else None
 
     def backend():
         return hilbert_fx.backend(segment_lengths=(2048, 4096, 8192), dilation_rates=(1, 2, 4),
@@ -86,16 +91,16 @@ def main() -> int:
     be = backend()
     be.keep_records = True
     dilated = torch.compile(DDP(model, bucket_cap_mb=args.bucket_mb), backend=be)
-    loss = loss_of(dilated, ids)
+    loss = loss_of(dilated, ids, mask)
     sites = [s for record in be.records for s in record.sites]
     rewritten = sum(s.action == "rewritten" for s in sites)
     print(f"rank {rank}: {len(be.records)} graphs, {rewritten} of {len(sites)} sites rewritten"
           + "".join(f"; {s.module}: {s.reason}" for s in sites if s.action != "rewritten"))
-    plain_loss = loss_of(torch.compile(plain, backend=backend()), ids)
+    plain_loss = loss_of(torch.compile(plain, backend=backend()), ids, mask)
     worst = largest_grad_difference(model, plain)
     dense = torch.compile(DDP(dense_ddp, bucket_cap_mb=args.bucket_mb), backend="inductor")
-    dense_loss = loss_of(dense, ids)
-    dense_plain_loss = loss_of(torch.compile(dense_plain, backend="inductor"), ids)
+    dense_loss = loss_of(dense, ids, mask)
+    dense_plain_loss = loss_of(torch.compile(dense_plain, backend="inductor"), ids, mask)
     dense_worst = largest_grad_difference(dense_ddp, dense_plain)
     print(f"rank {rank}, {args.dtype}, buckets {args.bucket_mb} MB: dilated loss under DDP "
           f"{loss:.6f}, without {plain_loss:.6f}, largest relative gradient difference "
