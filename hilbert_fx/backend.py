@@ -103,7 +103,8 @@ class HilbertBackend:
 
     def transform(self, gm: fx.GraphModule) -> GraphRecord:
         before = graph_code(gm)
-        ddp_pieces.start_piece(gm)  # a piece of a DDP model's graph: the whole graph read
+        # a piece of a DDP model's graph: the whole graph it was cut from is read at the first
+        ddp_pieces.start_piece(gm)
         graphs = [gm] + [sub for _, sub in subgraphs(gm)]
         roots = compiled_roots()
         scoped = any(graph_is_scoped(g.graph, roots) for g in graphs)
