@@ -10,9 +10,11 @@ a GraphModule: there the pass reads the whole graph, pieces inlined (each piece 
 included, mapped to its copy: nodes are named afresh in each piece, so names do not tell), and
 finds its attention sites. A piece's site then takes the whole graph's proof (`whole_reason`):
 self-attention proved there, a cross-attention left dense. Its mask is read in the piece, whose
-inputs link to where the whole graph built them (`outer`); a sequence structure (padding,
-packed documents) built from tensors of another piece cannot be built in this one, so the mask
-is passed as it is, and the site's row says what the whole graph reads (`mask_note`). Anything
+inputs link to where the whole graph built them (`outer`). A sequence structure (padding,
+packed documents) is built from tensors the piece does not receive; where the whole graph reads
+causal sequences from an SDPA call's square 4-D mask, the piece reads them from that mask's
+rows (structure.mask_positions); elsewhere the mask is passed as it is, and the site's row says
+what the whole graph reads (`mask_note`). Anything
 unexpected (another torch's optimizer, a piece already compiled, a whole graph the finders
 cannot read) leaves the piece's own reading, and a cross-attention reason then says how to keep
 the graph whole (DDP_PIECE).
@@ -143,14 +145,37 @@ def whole_reason(match, reason: str) -> str:
 
 def mask_note(match):
     """A rewritable match of a DDP piece whose mask the whole graph reads otherwise (as a
-    sequence structure built from another piece's tensors): its note says so."""
+    sequence structure built from another piece's tensors): causal sequences are read from the
+    rows of the 4-D mask the piece receives (structure.mask_positions); otherwise the mask is
+    passed as it is and its note says what the whole graph reads."""
     whole = _current()
     other = _other(whole, match)
     if other is None or match.reason or _reading(match) == _reading(other):
         return match
+    rows = _rows_of_mask(match, other)
+    if rows is not None:
+        return rows
     note = (f"the whole graph reads it as {_reading(other)[0]}, from tensors built {WHERE}; "
             + KEEP_WHOLE)
     return replace(match, note=f"{match.note}; {note}" if match.note else note)
+
+
+def _rows_of_mask(match, other):
+    """`match` given the whole graph's causal sequences, their positions computed from the rows
+    of the square 4-D mask an SDPA call in the piece receives, or None where that does not
+    hold (a cache, documents put in order, another kind of site or mask)."""
+    from .fx_vocab import example
+    from .structure import Recipe, Sequences, mask_positions
+    seq, mask = other.sequences, match.attn_mask
+    value = example(mask) if isinstance(mask, fx.Node) else None
+    if (seq is None or not seq.is_causal or seq.order is not None or seq.first_row is not None
+            or match.kind != "sdpa" or match.adapt_inputs is not None or match.is_causal
+            or value is None or value.dim() != 4 or value.shape[1] != 1
+            or value.shape[-1] != value.shape[-2]):
+        return None
+    return replace(match, attn_mask=None, is_causal=True, note="", sequences=Sequences(
+        f"{seq.what}; in this piece of a DDP model's graph read from the rows of the 4-D mask it "
+        "receives", True, position_ids=Recipe(mask_positions, (mask,))))
 
 
 def _other(whole: Optional[Whole], match):

@@ -90,6 +90,18 @@ def padded_run_positions(position_ids: torch.Tensor, mask: torch.Tensor) -> torc
     return _places(start, real)
 
 
+def mask_positions(mask: torch.Tensor) -> torch.Tensor:
+    """[B, N] int64 from a causal mask of sequences [B, 1, N, N] (boolean, or additive with 0
+    where allowed: a query sees the real tokens of its own document up to it), as
+    padded_run_positions gives from the tensors it was built from: a real query sees its
+    sequence's real tokens up to itself, so their count less one is its place; a padding query
+    does not see itself, -1. For a piece of a DDP model's graph, which receives the mask but not
+    the tensors it was built from (ddp_pieces.py)."""
+    allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
+    count = allowed.to(torch.int64).sum(-1)
+    return torch.where(allowed.diagonal(dim1=-2, dim2=-1), count - 1, -1)
+
+
 def tensor_offset(counter: torch.Tensor, const: int) -> torch.Tensor:
     """The cache row of the first query, counter + const (a one-element integer tensor: a
     StaticCache's length before this step), as a 0-dim int64 tensor."""

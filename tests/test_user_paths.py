@@ -327,14 +327,13 @@ def test_ddp_pieces_keep_cross_attention_dense(tmp_path, monkeypatch):
     assert cross.action == "skipped" and "cross-attention" in cross.reason, cross.reason
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["all-ones mask", "left-padded"])
-def test_ddp_pieces_pass_a_mask_built_in_another_piece(tmp_path, monkeypatch, padded):
+@pytest.mark.parametrize("padded", [False, True], ids=["mask of ones", "padded"])
+def test_ddp_pieces_read_a_mask_built_in_another_piece(tmp_path, monkeypatch, padded):
     """A transformers Llama given a 2-D attention mask, cut by the DDP optimizer: the model
-    compiled whole reads the mask as sequences (SPEC section 5); a piece receives the 4-D mask
-    built in another piece, and its tensors, so it passes the mask as it is (section 2), which
-    for a mask of ones (what tokenizers give) is the same attention: the outputs are those of
-    the model compiled without DDP. Where the reading differs (left padding), the site's row
-    says what the whole graph reads and how to keep the graph whole."""
+    compiled whole reads the mask as sequences (SPEC section 5) from the 2-D mask; a piece
+    receives only the 4-D mask built from it in another piece, and reads the same sequences
+    from its rows. Outputs on real tokens and gradients are those of the model compiled
+    without DDP, for a mask of ones and for a batch padded on the left and on the right."""
     transformers = pytest.importorskip("transformers")
     from models import recorded_sites, recording_backend
     torch.manual_seed(0)
@@ -346,6 +345,7 @@ def test_ddp_pieces_pass_a_mask_built_in_another_piece(tmp_path, monkeypatch, pa
     mask = torch.ones(2, 23, dtype=torch.long)
     if padded:
         mask[1, :6] = 0
+        mask[0, 19:] = 0
 
     class Logits(torch.nn.Module):  # DDP's forward takes positional arguments only
         def __init__(self, model):
@@ -356,17 +356,19 @@ def test_ddp_pieces_pass_a_mask_built_in_another_piece(tmp_path, monkeypatch, pa
             return self.model(input_ids=ids, attention_mask=mask).logits
 
     be = recording_backend(W, R)
-    out, _ = ddp_run(Logits(model), (ids, mask), tmp_path, monkeypatch, be)
+    out, grads = ddp_run(Logits(model), (ids, mask), tmp_path, monkeypatch, be)
     sites = recorded_sites(be)
     assert len(be.records) > 2 and [s.action for s in sites] == ["rewritten"] * 2, \
         [(s.action, s.reason) for s in sites]
-    if padded:
-        assert all("causal with padding" in s.match.note and "optimize_ddp" in s.match.note
-                   for s in sites), [s.match.note for s in sites]
-    else:
-        torch._dynamo.reset()
-        expected = torch.compile(Logits(plain), backend=recording_backend(W, R))(ids, mask)
-        torch.testing.assert_close(out, expected.detach())
+    assert all("read from the rows of the 4-D mask" in s.sequences.what for s in sites), \
+        [s.sequences for s in sites]
+    torch._dynamo.reset()
+    expected = torch.compile(Logits(plain), backend=recording_backend(W, R))(ids, mask)
+    expected.square().sum().backward()
+    real = mask.bool()
+    torch.testing.assert_close(out[real], expected.detach()[real])
+    for g, p in zip(grads, plain.parameters()):
+        torch.testing.assert_close(g, p.grad)
 
 
 def test_ddp_with_one_bucket_hands_the_whole_graph_over(tmp_path, monkeypatch):
