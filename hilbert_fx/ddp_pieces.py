@@ -30,6 +30,8 @@ from typing import NamedTuple, Optional
 import torch.fx as fx
 
 from .dataflow import CROSS, DataFlow
+from .fx_vocab import example
+from .structure import Recipe, Sequences, mask_positions
 
 # read by Dynamo when it compiles a DDP model's frame; "python_reducer" is read when DDP is
 # constructed and needs compiled autograd
@@ -136,10 +138,10 @@ def whole_reason(match, reason: str) -> str:
     ("" where it is one); a graph that is no piece keeps its own reason."""
     if _reading_whole or not in_piece():
         return reason
-    whole = _current()
-    other = _other(whole, match)
+    cut = _cut_graph()
+    other = _other(_whole.get(cut) if cut is not None else None, match)
     if other is None:  # the piece alone: its cross-attention may be the cut's
-        return reason + DDP_PIECE if reason == CROSS and _cut_graph() is not None else reason
+        return reason + DDP_PIECE if reason == CROSS and cut is not None else reason
     return other.reason if other.reason else ("" if reason == CROSS else reason)
 
 
@@ -164,8 +166,6 @@ def _rows_of_mask(match, other):
     """`match` given the whole graph's causal sequences, their positions computed from the rows
     of the square 4-D mask an SDPA call in the piece receives, or None where that does not
     hold (a cache, documents put in order, another kind of site or mask)."""
-    from .fx_vocab import example
-    from .structure import Recipe, Sequences, mask_positions
     seq, mask = other.sequences, match.attn_mask
     value = example(mask) if isinstance(mask, fx.Node) else None
     if (seq is None or not seq.is_causal or seq.order is not None or seq.first_row is not None

@@ -266,17 +266,16 @@ def test_values_with_their_own_head_dim_are_rewritten_and_exact():
     torch.testing.assert_close(dx.double(), dx_ref.double(), atol=5e-5, rtol=1e-3)
 
 
-def ddp_run(model, inputs, tmp_path, monkeypatch, be, **config):
+def ddp_run(model, inputs, tmp_path, monkeypatch, be, cap=2 ** -10, **config):
     """Forward and backward of `model` under DistributedDataParallel (one process, gloo), with
-    buckets of 1 KB so that Dynamo's DDP optimizer cuts the graph after every weight (between
-    q's and k, v's projections among others); (outputs, gradients)."""
+    buckets of `cap` MB: by default 1 KB, so that Dynamo's DDP optimizer cuts the graph after
+    every weight (between q's and k, v's projections among others); (outputs, gradients)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        cap = 2 ** -10  # MB
         monkeypatch.setattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", int(cap * 2 ** 20))
         ddp = DistributedDataParallel(model, bucket_cap_mb=cap)
         torch._dynamo.reset()
@@ -375,18 +374,10 @@ def test_ddp_with_one_bucket_hands_the_whole_graph_over(tmp_path, monkeypatch):
     """Buckets larger than the model: the optimizer cuts nothing and the backend gets the
     whole graph, as without DDP; a cross-attention's reason says nothing of pieces."""
     from models import EncoderDecoder, recorded_sites, recording_backend
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
     torch.manual_seed(0)
     be = recording_backend(W, R)
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        torch._dynamo.reset()
-        model = DistributedDataParallel(EncoderDecoder(), bucket_cap_mb=25)
-        torch.compile(model, backend=be)(torch.randn(1, 23, 32), torch.randn(1, 23, 32))
-    finally:
-        dist.destroy_process_group()
+    ddp_run(EncoderDecoder(), (torch.randn(1, 23, 32), torch.randn(1, 23, 32)), tmp_path,
+            monkeypatch, be, cap=25)
     sites = {s.module.removeprefix("module."): s for s in recorded_sites(be)}
     assert len(be.records) == 1, len(be.records)
     assert sites["encoder.attn"].action == sites["self_attn"].action == "rewritten"
