@@ -6,11 +6,14 @@ cuts between q's and k, v's projections, and the pass must still rewrite every s
     torchrun --nproc_per_node 2 scripts/ddp_check.py --bucket-mb 5 --dtype float32
     torchrun --nproc_per_node 2 scripts/ddp_check.py --bucket-mb 5 --time
     torchrun --nproc_per_node 2 scripts/ddp_check.py --bucket-mb 5 --dtype float32 --attention-mask
+    torchrun --nproc_per_node 2 scripts/ddp_check.py --bucket-mb 5 --dtype float32 --padding
 
 A transformers Llama (4 layers, width 2048, 16 heads, N = 8192, random weights, the same ids on
 every rank; --attention-mask: with a 2-D attention mask of ones, as tokenizers give, which a
-piece receives as the 4-D mask built in another piece), one forward and backward under DDP
-against the same model compiled without it:
+piece receives as the 4-D mask built in another piece; --padding: two rows, one padded on the
+left and one on the right by N / 8 tokens, the loss over real tokens, whose sequences a piece
+reads from the rows of that 4-D mask), one forward and backward under DDP against the same
+model compiled without it:
 the sites rewritten (each rank), the loss and the largest relative gradient difference, beside
 the same comparison for dense attention (backend="inductor"), which says how far two
 compilations of one step differ in that dtype. --time: median step time (AdamW) of the dilated
@@ -41,7 +44,8 @@ def largest_grad_difference(model, reference) -> float:
 
 
 def loss_of(step_model, ids, mask=None):
-    loss = step_model(input_ids=ids, labels=ids, attention_mask=mask).loss
+    labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+    loss = step_model(input_ids=ids, labels=labels, attention_mask=mask).loss
     loss.backward()
     return loss.item()
 
@@ -68,6 +72,7 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--attention-mask", action="store_true")
+    ap.add_argument("--padding", action="store_true")
     args = ap.parse_args()
     dist.init_process_group("nccl")
     rank = dist.get_rank()
@@ -80,9 +85,12 @@ def main() -> int:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to("cuda", dtype)
     plain, dense_ddp, dense_plain = (copy.deepcopy(model) for _ in range(3))
-    ids = torch.randint(0, 4096, (1, n), device="cuda",
+    ids = torch.randint(0, 4096, (2 if args.padding else 1, n), device="cuda",
                         generator=torch.Generator(device="cuda").manual_seed(1))
-    mask = torch.ones_like(ids) if args.attention_mask else None
+    mask = torch.ones_like(ids) if args.attention_mask or args.padding else None
+    if args.padding:
+        mask[0, :n // 8] = 0
+        mask[1, n - n // 8:] = 0
 
     def backend():
         return hilbert_fx.backend(segment_lengths=(2048, 4096, 8192), dilation_rates=(1, 2, 4),

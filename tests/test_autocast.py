@@ -34,6 +34,14 @@ def test_autocast_casts_inputs_like_sdpa(causal):
                                       is_causal=causal)
     err = (out.double() - ref).norm() / ref.norm()
     assert err < 1e-2, err
+    # the tolerance above cannot tell bf16 inputs from float32 ones (1.7e-3 against 2.6e-3):
+    # the cast itself is checked as bitwise equality with the op on explicitly cast inputs,
+    # which a float32 run (q, k left as they are, v widened) does not give
+    assert torch.equal(out, hilbert_fx.dilated_attention(qb, kb, v, SEGS, RATES, hilbert=True,
+                                                         is_causal=causal))
+    widened = hilbert_fx.dilated_attention(q, k, v.float(), SEGS, RATES, hilbert=True,
+                                           is_causal=causal)
+    assert not torch.equal(out, widened.bfloat16())
 
 
 class RopeLikeAttention(nn.Module):
