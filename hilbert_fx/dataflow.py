@@ -18,7 +18,8 @@ import torch
 import torch.fx as fx
 
 from . import constants
-from .fx_vocab import ATTENTION_TARGETS, PRODUCTS, example, is_parameter, op_name
+from .fx_vocab import (ATTENTION_TARGETS, PRODUCTS, example, is_inplace, is_parameter, op_name,
+                       target_name)
 from .triangles import Triangles, names_nodes
 
 
@@ -27,15 +28,21 @@ CROSS = "keys/values are not computed from the queries' sequence (cross-attentio
 
 def activation_sources(graph: fx.Graph) -> dict[fx.Node, frozenset]:
     """For every node, the set of activation placeholders it depends on. Parameters, buffers
-    and sizes (SymInt placeholders of dynamic shapes) are not activations."""
+    and sizes (SymInt placeholders of dynamic shapes) are not activations. An in-place write
+    adds what it writes to the tensor it writes into, for the nodes after it: a static KV
+    cache made in the graph (zeros, then index_copy_ of this step's keys) holds activations
+    once written, and its reads are keys, not constants."""
     sources: dict[fx.Node, frozenset] = {}
     empty = frozenset()
     for node in graph.nodes:
         if node.op == "placeholder":
-            is_tensor = isinstance(example(node), torch.Tensor)
-            sources[node] = frozenset([node]) if is_tensor and not is_parameter(node) else empty
-        elif node.op == "get_attr":
-            sources[node] = empty
+            ex = example(node)
+            # a 0-d tensor holds no positions: a float attribute that Dynamo passes as a tensor
+            # under dynamic=True (a norm's eps, attention's scaling), not an activation
+            sequence = isinstance(ex, torch.Tensor) and ex.dim() > 0
+            sources[node] = frozenset([node]) if sequence and not is_parameter(node) else empty
+        elif node.op == "get_attr" or _reads_sizes(node):
+            sources[node] = empty  # torch.arange(x.size(0)) does not read x's values
         else:
             acc = empty
             for inp in node.all_input_nodes:
@@ -43,7 +50,22 @@ def activation_sources(graph: fx.Graph) -> dict[fx.Node, frozenset]:
                 if s and s is not acc:
                     acc = s if not acc else acc | s
             sources[node] = acc
+            target = node.args[0] if node.args else None
+            if acc and isinstance(target, fx.Node) and is_inplace(node):
+                sources[target] = sources.get(target, empty) | acc
     return sources
+
+
+_SIZE_READS = {"size", "dim", "numel", "nelement", "stride", "sym_size", "sym_numel",
+               "sym_stride", "sym_storage_offset"}
+
+
+def _reads_sizes(node: fx.Node) -> bool:
+    """Does this node read only a tensor's sizes (x.size(0), aten.sym_size), not its values?"""
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) > 1 and node.args[1] in ("shape", "ndim")
+    return node.op in ("call_method", "call_function") and \
+        target_name(node).split(".")[0] in _SIZE_READS
 
 
 def _reached(start: fx.Node, step) -> set:

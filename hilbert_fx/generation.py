@@ -24,10 +24,23 @@ import inspect
 import torch
 
 
-def keep_padding_mask(*args, attention_mask=None, **kwargs):
-    """Stands for a model's `create_masks_for_generate`: the 2-D padding mask as it is, so that
-    the model's forward builds its attention mask inside the compiled graph."""
-    return attention_mask
+def _padding_mask_maker(model):
+    """What stands for `model.create_masks_for_generate`: the 2-D padding mask, so that the
+    model's forward builds its attention mask inside the compiled graph. A model whose own
+    version gives a 2-D mask (Bloom pads it to the static cache's length, from which its
+    forward builds ALiBi: with the mask as generate() keeps it, its scores and ALiBi differ in
+    length) keeps its own; one that builds a 4-D mask (or several) gets the 2-D mask."""
+    own = getattr(model, "create_masks_for_generate", None)
+
+    def keep_padding_mask(*args, attention_mask=None, **kwargs):
+        if own is not None:
+            made = own(*args, attention_mask=attention_mask, **kwargs)
+            if isinstance(made, torch.Tensor) and made.ndim == 2:
+                return made
+        return attention_mask
+
+    keep_padding_mask.keeps_padding_mask = True
+    return keep_padding_mask
 
 
 def compile_for_generate(model, backend="hilbert_dilated", **compile_kwargs):
@@ -46,7 +59,8 @@ def compile_for_generate(model, backend="hilbert_dilated", **compile_kwargs):
         model._compiled_call_impl = None
     # generate() builds a static cache's 4-D mask outside the forward (an input the pass cannot
     # read); with the 2-D mask the forward builds it where the pass reads it
-    model.create_masks_for_generate = keep_padding_mask
+    if not getattr(getattr(model, "create_masks_for_generate", None), "keeps_padding_mask", False):
+        model.create_masks_for_generate = _padding_mask_maker(model)  # (once, if compiled again)
     config = getattr(model, "generation_config", None)
     if config is not None:
         # generate() would compile __call__ again for a static cache (on CUDA), with its own

@@ -319,18 +319,23 @@ def test_packed_and_padded_rows_equal_each_document_alone(family):
                for s in packed_sites), described(be)
 
 
-GENERATE = [("llama", "dynamic", 1), ("llama", "static", 1), ("llama", "dynamic", 2),
-            ("llama", "static", 2), ("qwen2", "dynamic", 1), ("qwen2", "static", 1),
-            ("llama-eager", "dynamic", 1)]
+GENERATE = [("llama", "dynamic", 1, None), ("llama", "static", 1, None),
+            ("llama", "dynamic", 2, None), ("llama", "static", 2, None),
+            ("qwen2", "dynamic", 1, None), ("qwen2", "static", 1, None),
+            ("llama-eager", "dynamic", 1, None), ("llama-eager", "static", 2, None),
+            ("llama", "dynamic", 2, True), ("llama", "static", 2, True)]
 
 
-@pytest.mark.parametrize("family,cache,batch", GENERATE,
-                         ids=[f"{f}-{c}-batch{b}" for f, c, b in GENERATE])
-def test_generate_picks_the_argmax_of_full_forwards(family, cache, batch):
+@pytest.mark.parametrize("family,cache,batch,dynamic", GENERATE,
+                         ids=[f"{f}-{c}-batch{b}" + ("-dynamic" if d else "")
+                              for f, c, b, d in GENERATE])
+def test_generate_picks_the_argmax_of_full_forwards(family, cache, batch, dynamic):
     """compile_for_generate, then greedy generate() for 20 new tokens: each step's logits are
     those of a full forward of the compiled model over the sequence so far (so its token is
     their argmax). Batch 2: the second prompt is shorter, left-padded; its full forwards run on
-    the row alone. Every decoding step's attention is rewritten against the cache."""
+    the row alone. Every decoding step's attention is rewritten against the cache. dynamic=True
+    from the first call: sizes are symbols, and Dynamo passes the model's float attributes
+    (a norm's eps) as 0-d tensors, which the pass must not take for activations."""
     model = model_of(family)
     prompts = [tokens(17, 3), tokens(11, 4)][:batch]
     width = max(p.shape[1] for p in prompts)
@@ -340,7 +345,7 @@ def test_generate_picks_the_argmax_of_full_forwards(family, cache, batch):
         ids[b, width - p.shape[1]:], mask[b, width - p.shape[1]:] = p[0], 1
     torch._dynamo.reset()
     be = recording_backend(W, R)
-    hilbert_fx.compile_for_generate(model, backend=be)
+    hilbert_fx.compile_for_generate(model, backend=be, dynamic=dynamic)
     new = 20
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
@@ -523,6 +528,29 @@ def test_compiled_module_generate_runs_the_uncompiled_forward():
     with torch.no_grad():
         torch.compile(model, backend=be).generate(tokens(9, 5), max_new_tokens=3, do_sample=False)
     assert be.records == []
+
+
+def test_a_models_own_2d_mask_for_generate_is_kept():
+    """Bloom's create_masks_for_generate pads the 2-D mask to the static cache's length, from
+    which its forward builds ALiBi; compile_for_generate keeps a model's own 2-D mask (with the
+    mask as generate() keeps it, scores and ALiBi differed in length: a crash). Under the
+    identity configuration the tokens are those of the uncompiled model."""
+    model = transformers.BloomForCausalLM(transformers.BloomConfig(
+        n_layer=LAYERS, hidden_size=32, n_head=4, vocab_size=VOCAB, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)).eval()
+    ids = torch.cat([tokens(13, 3), tokens(13, 4)])
+    mask = torch.ones_like(ids)
+    ids[1, :6], mask[1, :6] = 0, 0
+
+    def generate():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                              cache_implementation="static", eos_token_id=None, pad_token_id=0)
+
+    with torch.no_grad():
+        plain = generate()
+        torch._dynamo.reset()
+        hilbert_fx.compile_for_generate(model, backend=hilbert_fx.backend((256,), (1,)))
+        assert torch.equal(generate(), plain)
 
 
 def test_static_cache_mask_built_by_generate_is_reported():
