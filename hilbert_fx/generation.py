@@ -61,12 +61,18 @@ def compile_for_generate(model, backend="hilbert_dilated", **compile_kwargs):
     # read); with the 2-D mask the forward builds it where the pass reads it
     if not getattr(getattr(model, "create_masks_for_generate", None), "keeps_padding_mask", False):
         model.create_masks_for_generate = _padding_mask_maker(model)  # (once, if compiled again)
-    config = getattr(model, "generation_config", None)
-    if config is not None:
-        # generate() would compile __call__ again for a static cache (on CUDA), with its own
-        # backend, and run that in place of this forward
-        config.disable_compile = True
+    # generate() would compile __call__ again for a static cache (on CUDA), with its own
+    # backend, and run that in place of this forward. Refused on the instance: the generation
+    # config's disable_compile would be saved with the model (save_pretrained) and outlive it
+    if callable(getattr(type(model), "_valid_auto_compile_criteria", None)):
+        model._valid_auto_compile_criteria = _never
+    elif getattr(model, "generation_config", None) is not None:
+        model.generation_config.disable_compile = True
     return model
+
+
+def _never(*args, **kwargs) -> bool:
+    return False
 
 
 def _encoder_run_by_generate(model):
@@ -87,19 +93,18 @@ ISOLATES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
 
 
 def _compiled_forward(forward, backend, compile_kwargs: dict):
-    """torch.compile(forward) whose compiled entries do not count against those of other
-    compilations of the same code. transformers 5 runs every model's forward through one code
-    object (its `deprecate_kwarg` wrapper), and Dynamo caps the entries of a code object
-    (`recompile_limit`) over every torch.compile of it: after a model was compiled for training
-    and evaluated at a few lengths, generate()'s prefill and decoding steps passed the cap, and
-    Dynamo ran them uncompiled, with dense attention (tokens no longer the argmax of the
-    compiled model's full forwards). Where torch.compile can keep a compilation's entries apart
-    (isolate_recompiles) they are kept apart; elsewhere the cap is raised while this forward
-    runs."""
-    if ISOLATES:
-        return torch.compile(forward, backend=backend,
-                             **{"isolate_recompiles": True, **compile_kwargs})
-    compiled = torch.compile(forward, backend=backend, **compile_kwargs)
+    """torch.compile(forward) with room for generate()'s entries. transformers 5 runs every
+    model's forward through one code object (its `deprecate_kwarg` wrapper), and Dynamo caps
+    the entries of a code object (`recompile_limit`, 8): past it Dynamo runs the forward
+    uncompiled, with dense attention, and says so only in a warning (tokens no longer the
+    argmax of the compiled model's full forwards). The cap counts every torch.compile of the
+    code: after a model was compiled for training and evaluated at a few lengths, generate()'s
+    prefill and decoding steps passed it. Where torch.compile can keep a compilation's entries
+    apart (isolate_recompiles) they are kept apart; and the cap is raised while this forward
+    runs, as a few generate() calls with a static cache of other batch sizes or lengths fill 8
+    entries of their own."""
+    extra = {"isolate_recompiles": True} if ISOLATES else {}
+    compiled = torch.compile(forward, backend=backend, **{**extra, **compile_kwargs})
     config = torch._dynamo.config
 
     def forward_with_room(*args, **kwargs):

@@ -416,6 +416,45 @@ def test_generate_after_training_in_the_same_process(monkeypatch, isolates, in_p
                                     for s in decoding), (cache, described(be))
 
 
+def test_generate_refuses_its_own_compile_without_saving_that(tmp_path):
+    """generate() would compile the model again for a static cache on CUDA, with its own
+    backend, in place of compile_for_generate's forward: that is refused on the instance, not
+    by the generation config's disable_compile, which save_pretrained would write for a model
+    reloaded later without the backend."""
+    model = hilbert_fx.compile_for_generate(model_of("llama"), backend=recording_backend(W, R))
+    cache = transformers.StaticCache(config=model.config, max_cache_len=8)
+    config = model.generation_config
+    config.compile_config = transformers.CompileConfig()
+    config.compile_config._compile_all_devices = True  # compiled on the CPU too, as on CUDA
+    assert not model._valid_auto_compile_criteria({"cache": cache}, config)
+    model.save_pretrained(tmp_path)
+    saved = transformers.GenerationConfig.from_pretrained(tmp_path)
+    assert not saved.disable_compile
+
+
+def test_many_generate_calls_stay_compiled():
+    """generate() calls with both caches, padded batches of other sizes and lengths, add
+    compiled entries of their own: past Dynamo's cap of 8 (isolated or not; the fourth call
+    here) the forwards would run uncompiled, with dense attention, after only a warning (here
+    a forward that would, raises). The last call still picks the argmax of the compiled
+    model's full forwards."""
+    model = model_of("llama")
+    torch._dynamo.reset()
+    hilbert_fx.compile_for_generate(model, backend=recording_backend(W, R))
+    calls = [("dynamic", 2, 7), ("dynamic", 3, 12), ("static", 2, 7), ("static", 3, 12),
+             ("dynamic", 4, 9), ("static", 4, 9), ("static", 2, 20)]
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), torch.no_grad():
+        for i, (cache, batch, n) in enumerate(calls):
+            ids = torch.cat([tokens(n, batch + j) for j in range(batch)])
+            mask = torch.ones_like(ids)
+            mask[0, :2] = 0 if i < len(calls) - 1 else 1  # padded, but for the last call
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3,
+                                 do_sample=False, cache_implementation=cache, eos_token_id=None)
+        for t in range(3):
+            full = model(input_ids=out[:, :n + t], use_cache=False).logits[:, -1]
+            assert torch.equal(out[:, n + t], full.argmax(-1)), t
+
+
 def bart():
     return transformers.BartForConditionalGeneration(transformers.BartConfig(
         vocab_size=VOCAB, d_model=32, encoder_layers=LAYERS, decoder_layers=LAYERS,
