@@ -375,6 +375,11 @@ def read_site(flow, q, k, v, attn_mask, is_causal: bool, site: fx.Node, atoms=No
         # the rule book's words (lowering.arguments.problem) say what is wrong
         return None, ""
     if cache is None and not rels:
+        # triangles over the row alone: causal, and what else a model lays over it (a sliding
+        # window) stays a mask, which the report names
+        others = sorted(_atom_words(a) for a in atoms if a != Tri(True, 0))
+        if attn_mask is not None and others:
+            return None, f"the mask holds {', '.join(others)}, kept as a mask"
         return None, ""
     if shorter and attn_mask is None and is_causal:
         return None, (f"{lengths} with is_causal: SDPA aligns its causal mask top-left, so the "
@@ -454,14 +459,20 @@ def read_site(flow, q, k, v, attn_mask, is_causal: bool, site: fx.Node, atoms=No
         padded = _padded_documents(rest, causal, nk)
         if padded is not None:
             return padded, ""
-    names = sorted({"pos_le": "causal over position ids", "same_run": "same run of position ids",
-                    "same_id": "same document id", "key": "a padding mask",
-                    "key_le": "keys up to the cache position"}.get(a.kind, a.kind)
-                   if isinstance(a, Rel) else f"a triangle (j {'<=' if a.lower else '>='} i"
-                   f"{'' if a.k == 0 else f' + {a.k}' if not str(a.k).startswith('-') else f' - {str(a.k)[1:]}'})"
-                   for a in rest)
+    names = sorted(_atom_words(a) for a in rest)
     return None, (f"the mask combines {', '.join(names)}{' with causal' if causal else ''}: not "
                   f"one sequence structure the op takes")
+
+
+def _atom_words(a) -> str:
+    """An atom of a mask in the report's words."""
+    if isinstance(a, Rel):
+        return {"pos_le": "causal over position ids", "same_run": "same run of position ids",
+                "same_id": "same document id", "key": "a padding mask",
+                "key_le": "keys up to the cache position"}.get(a.kind, a.kind)
+    k = str(a.k)
+    shift = "" if a.k == 0 else f" - {k[1:]}" if k.startswith("-") else f" + {k}"
+    return f"a triangle (j {'<=' if a.lower else '>='} i{shift})"
 
 
 def _padded_documents(rest, causal: bool, nk) -> Optional[Sequences]:

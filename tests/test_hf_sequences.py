@@ -626,6 +626,10 @@ def test_a_mask_the_pass_cannot_take_keeps_section_2_and_says_why():
     assert site.action == "rewritten", report
     assert "attn_mask passed" in site.structure and "a padding mask" in site.structure, report
     assert "attn_mask passed" in str(report)
+    with torch.no_grad():  # the window alone: the row names it too
+        (alone,) = hilbert_fx.explain(model, input_ids=tokens(20, 1), use_cache=False,
+                                      backend=hilbert_fx.backend(W, R, lowering="sdpa")).sites
+    assert alone.action == "rewritten" and "a triangle (j >= i - 5)" in alone.structure, alone
 
     # what it computes: the float64 reference with the model's mask (causal, window, padding)
     # laid over the row's pattern, on every real query
