@@ -597,8 +597,33 @@ class Triangles:
         tok = self.token(src_node)
         return None if tok is None else At(tok, t.dim, bdim)
 
+    def _triangle_rows(self, node: fx.Node, idx: list):
+        """tril[None, None, rows]: the rows of a constant lower triangle of booleans [M, M] (a
+        causal_mask buffer, as gpt-fast's) read at each query's cache row: key j is allowed
+        where j <= rows[i] (Rel "key_le"; a Tri where rows is an arange, shifted)."""
+        src_node = node.args[0]
+        src = example(src_node)
+        tensors = [i for i in idx if isinstance(i, fx.Node)]
+        if src.dim() != 2 or len(tensors) != 1 or any(i is not None and i is not tensors[0]
+                                                      for i in idx):
+            return None
+        rows = tensors[0]
+        rex = example(rows)
+        if not isinstance(rex, torch.Tensor) or rex.dim() != 1 or rex.is_floating_point() \
+                or rex.dtype == torch.bool:
+            return None
+        if _concrete_triangle(self.flow.constant_value(src_node)) != Tri(True, 0):
+            return None
+        at = self._value(rows)
+        if isinstance(at, Pos) and at.dim == -1:
+            return Tri(True, at.off)
+        tok = self.token(rows)
+        return Conj(frozenset({Rel("key_le", rows)})) if tok is not None and tok.kind == "raw" \
+            else None
+
     def _index(self, node: fx.Node):
-        """x[None, :, None], x.unsqueeze(d) of an arange; x[:, :, :n, :n] of a constant triangle."""
+        """x[None, :, None], x.unsqueeze(d) of an arange; x[:, :, :n, :n] of a constant triangle;
+        a constant triangle's rows read at the queries' cache rows (_triangle_rows)."""
         src, ex = example(node.args[0]), example(node)
         if not isinstance(src, torch.Tensor) or not isinstance(ex, torch.Tensor):
             return None
@@ -613,7 +638,8 @@ class Triangles:
         if isinstance(v, Full):  # any element of a uniform tensor is its value
             return v
         if any(isinstance(i, fx.Node) for i in idx):
-            return self._gather(node, idx, v)
+            rows = self._triangle_rows(node, idx)
+            return rows if rows is not None else self._gather(node, idx, v)
         if isinstance(v, Pos):
             src_dim = src.dim() + v.dim
             if Ellipsis in idx:

@@ -428,3 +428,84 @@ def test_explain_says_when_no_graph_reached_the_backend():
     report = str(hilbert_fx.explain(model, torch.randint(0, 50, (1, 9)),
                                     backend=hilbert_fx.backend(W, R, lowering="sdpa")))
     assert "0 attention sites in 0 graphs" in report and "no graph reached the backend" in report
+
+
+class GptFastAttention(torch.nn.Module):
+    """gpt-fast's decoder attention: a KV cache of registered buffers written at input_pos
+    (k_cache[:, :, input_pos] = k), SDPA over the whole buffer under a causal_mask buffer's rows
+    read at input_pos."""
+
+    def __init__(self, dim=32, heads=4, max_len=48):
+        super().__init__()
+        self.heads, self.wqkv = heads, torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.cached = False
+        self.register_buffer("k_cache", torch.zeros(1, heads, max_len, dim // heads))
+        self.register_buffer("v_cache", torch.zeros(1, heads, max_len, dim // heads))
+
+    def forward(self, x, mask, input_pos):
+        b, n, dim = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2)
+                   for t in self.wqkv(x).split(dim, -1))
+        if self.cached:
+            self.k_cache[:, :, input_pos] = k
+            self.v_cache[:, :, input_pos] = v
+            k, v = self.k_cache, self.v_cache
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, n, dim)
+
+
+class GptFast(torch.nn.Module):
+    def __init__(self, vocab=64, dim=32, layers=2, max_len=48):
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, vocab)
+        self.layers = torch.nn.ModuleList(GptFastAttention(dim, max_len=max_len)
+                                          for _ in range(layers))
+        self.register_buffer("causal_mask", torch.ones(max_len, max_len, dtype=torch.bool).tril())
+
+    def forward(self, idx, input_pos):
+        mask = self.causal_mask[None, None, input_pos]
+        if not self.layers[0].cached:  # no cache: the keys are the sequence itself
+            mask = mask[..., :idx.shape[1]]
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = x + layer(x, mask, input_pos)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("branches", [((64,), (1,)), (W, R)], ids=["identity", "dilated"])
+def test_gpt_fast_decoding_is_rewritten_against_its_buffers(branches):
+    """A home-made decoder in gpt-fast's style: the prompt and each decoding step read the
+    static cache through the causal_mask buffer's rows at input_pos, so every site is rewritten
+    against the cache (skipped as an unread mask before), and each step's logits are those of a
+    full forward over the sequence so far; with one branch covering the sequence, the
+    uncompiled model's."""
+    torch.manual_seed(0)
+    model, ids, prompt = GptFast().eval(), torch.randint(0, 64, (1, 30)), 20
+    be = hilbert_fx.backend(*branches, lowering="sdpa")
+    be.keep_records = True
+
+    def decode(fn):
+        for layer in model.layers:
+            layer.cached = True
+            layer.k_cache.zero_(), layer.v_cache.zero_()
+        logits = [fn(ids[:, :prompt], torch.arange(prompt))[0, -1]]
+        logits += [fn(ids[:, t:t + 1], torch.tensor([t]))[0, -1] for t in range(prompt, 30)]
+        for layer in model.layers:
+            layer.cached = False
+        return torch.stack(logits)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        steps = decode(torch.compile(model, backend=be))
+        sites = [s for r in be.records for s in r.sites]
+        full = torch.compile(model, backend=be)
+        expected = torch.stack([full(ids[:, :t], torch.arange(t))[0, -1]
+                                for t in range(prompt, 31)])
+        plain = decode(model)
+    assert sites and all(s.action == "rewritten" and "static cache" in s.sequences.what
+                         for s in sites), [(s.action, s.reason) for s in sites]
+    torch.testing.assert_close(steps, expected, atol=2e-5, rtol=1e-4)
+    if branches[0] == (64,):
+        torch.testing.assert_close(steps, plain, atol=2e-5, rtol=1e-4)
+    else:
+        assert (steps - plain).abs().max() > 1e-2  # the pattern shows
