@@ -74,3 +74,22 @@ def evaluate(flow: DataFlow, node: fx.Node):
         return getattr(self_arg, node.target)(*rest, **kwargs)
     return node.target(*args, **kwargs)
 
+
+def lower_triangle_buffer(node: fx.Node) -> bool:
+    """Is `node` a registered buffer holding a square boolean lower triangle of ones (j <= i),
+    however large? gpt-fast's causal_mask spans max_seq_length squared (1G elements at 32K,
+    past CONSTANT_NUMEL_LIMIT), so it is compared with the triangle a block of rows at a time,
+    no block larger than that limit."""
+    real = grapharg_example(node) if node.op == "placeholder" and is_buffer(node) else None
+    if not (isinstance(real, torch.Tensor) and not real.requires_grad
+            and real.dtype == torch.bool and real.dim() == 2 and real.shape[0] == real.shape[1]):
+        return False
+    m = real.shape[0]
+    cols = torch.arange(m, device=real.device)
+    step = max(1, CONSTANT_NUMEL_LIMIT // max(m, 1))
+    for start in range(0, m, step):
+        rows = torch.arange(start, min(start + step, m), device=real.device)
+        if not torch.equal(real[start:start + step], cols[None, :] <= rows[:, None]):
+            return False
+    return True
+

@@ -20,7 +20,7 @@ import torch.fx as fx
 from . import constants
 from .fx_vocab import (ATTENTION_TARGETS, PRODUCTS, example, is_inplace, is_parameter, op_name,
                        target_name)
-from .triangles import Triangles, names_nodes
+from .triangles import Tri, Triangles, concrete_triangle, names_nodes
 
 
 CROSS = "keys/values are not computed from the queries' sequence (cross-attention)"
@@ -197,6 +197,28 @@ class DataFlow:
         return self._triangles
 
     # -- compile-time constants --------------------------------------------------------------
+    def lower_triangle(self, node) -> bool:
+        """Is `node` a constant square boolean lower triangle of ones: a value computed at
+        compile time, or a registered buffer of any size (constants.lower_triangle_buffer)."""
+        if not isinstance(node, fx.Node):
+            return False
+        if node in self.outer:
+            flow, outer_node = self.outer[node]
+            return flow.lower_triangle(outer_node)
+        key = ("lower triangle", node)
+        if key not in self._constants:
+            value = self.constant_value(node)
+            if value is not None:
+                found = isinstance(value, torch.Tensor) and value.dtype == torch.bool \
+                    and concrete_triangle(value) == Tri(True, 0)
+            else:
+                try:
+                    found = constants.lower_triangle_buffer(node)
+                except Exception:  # noqa: BLE001  (a buffer we cannot compare is no triangle)
+                    found = False
+            self._constants[key] = found
+        return self._constants[key]
+
     def constant_value(self, node):
         """The value of `node` if it is computed from constants, buffers and static sizes only,
         else None. Evaluated once per node (constants.evaluate), and only where every

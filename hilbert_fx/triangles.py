@@ -612,7 +612,7 @@ class Triangles:
         if not isinstance(rex, torch.Tensor) or rex.dim() != 1 or rex.is_floating_point() \
                 or rex.dtype == torch.bool:
             return None
-        if _concrete_triangle(self.flow.constant_value(src_node)) != Tri(True, 0):
+        if not self.flow.lower_triangle(src_node):
             return None
         at = self._value(rows)
         if isinstance(at, Pos) and at.dim == -1:
@@ -680,9 +680,9 @@ class Triangles:
         if not (stop_a is stop_b or (isinstance(stop_a, int) and stop_a == stop_b)):
             return None
         value = self.flow.constant_value(node.args[0])
-        return _concrete_triangle(value)
+        return concrete_triangle(value)
 
-def _concrete_triangle(value):
+def concrete_triangle(value):
     """Tri / Sel when a concrete [.., M, M] tensor is tril (k=0) or triu (k=1) of one value."""
     if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-1] != value.shape[-2]:
         return None

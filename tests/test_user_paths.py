@@ -435,7 +435,7 @@ class GptFastAttention(torch.nn.Module):
     (k_cache[:, :, input_pos] = k), SDPA over the whole buffer under a causal_mask buffer's rows
     read at input_pos."""
 
-    def __init__(self, dim=32, heads=4, max_len=48):
+    def __init__(self, dim=32, heads=4, max_len=4200):
         super().__init__()
         self.heads, self.wqkv = heads, torch.nn.Linear(dim, 3 * dim, bias=False)
         self.cached = False
@@ -455,7 +455,10 @@ class GptFastAttention(torch.nn.Module):
 
 
 class GptFast(torch.nn.Module):
-    def __init__(self, vocab=64, dim=32, layers=2, max_len=48):
+    """max_len 4200: a causal_mask past the pass's limit on constants it evaluates (2**24
+    elements), compared with the triangle by blocks of rows instead."""
+
+    def __init__(self, vocab=64, dim=32, layers=2, max_len=4200):
         super().__init__()
         self.emb, self.out = torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, vocab)
         self.layers = torch.nn.ModuleList(GptFastAttention(dim, max_len=max_len)
