@@ -95,6 +95,7 @@ class DataFlow:
         self.order = {n: i for i, n in enumerate(graph.nodes)}
         self.sources = activation_sources(graph)
         self._constants: dict = {}
+        self._lower_triangles: dict = {}  # lower_triangle's answers
         self._triangles = None
         # sympy symbols of run-time offsets (triangles.py) -> (the tensor node, how many in-place
         # writes to it come before the read); a region shares its caller's
@@ -205,19 +206,17 @@ class DataFlow:
         if node in self.outer:
             flow, outer_node = self.outer[node]
             return flow.lower_triangle(outer_node)
-        key = ("lower triangle", node)
-        if key not in self._constants:
+        if node not in self._lower_triangles:
             value = self.constant_value(node)
-            if value is not None:
-                found = isinstance(value, torch.Tensor) and value.dtype == torch.bool \
-                    and concrete_triangle(value) == Tri(True, 0)
+            if value is not None:  # (a boolean one: a float triangle reads as a Sel)
+                found = concrete_triangle(value) == Tri(True, 0)
             else:
                 try:
                     found = constants.lower_triangle_buffer(node)
                 except Exception:  # noqa: BLE001  (a buffer we cannot compare is no triangle)
                     found = False
-            self._constants[key] = found
-        return self._constants[key]
+            self._lower_triangles[node] = found
+        return self._lower_triangles[node]
 
     def constant_value(self, node):
         """The value of `node` if it is computed from constants, buffers and static sizes only,
