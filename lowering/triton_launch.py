@@ -14,7 +14,10 @@ program's steps are the `Launch`es here:
   path);
 - the Hopper kernels' TMA descriptors are rebased onto each call's tensors rather than built
   again, and their tensor maps are encoded only for a data pointer not seen before
-  (gluon_forward.Descriptor, `_tensor_map_launch`; TENSOR_MAPS turns that part off).
+  (gluon_forward.Descriptor, `_tensor_map_launch`; TENSOR_MAPS turns that part off);
+- where it can, a cached launch skips Triton's C launcher too and calls the CUDA driver with the
+  kernel's parameters packed once (lowering/driver_launch.py; HILBERT_FX_DRIVER_LAUNCH=0 keeps
+  the C launcher).
 
 `launch_stream` says where a launch may take the direct path; HILBERT_FX_FAST_LAUNCH=0
 (lowering/tuning.py) sends every launch through Triton's own path instead, as do launch hooks
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from . import gluon_forward
+from . import driver_launch, gluon_forward
 from .tuning import Tuning
 from .tuning import shrunk as _shrunk
 
@@ -146,8 +149,8 @@ def _fast_launch(kernel, compiled, args: list, kwargs: dict, grid, bufs: list):
     g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
     if descriptors and TENSOR_MAPS:
-        with_maps = _tensor_map_launch(run, template, slots, descriptors, (g0, g1, g2),
-                                       function, metadata, bufs)
+        with_maps = _tensor_map_launch(compiled, template, slots, descriptors, (g0, g1, g2),
+                                       bufs)
         if with_maps is not None:
             return with_maps
 
@@ -159,12 +162,21 @@ def _fast_launch(kernel, compiled, args: list, kwargs: dict, grid, bufs: list):
             a[i] = desc.rebase(bufs[slot])
         run(g0, g1, g2, stream, function, metadata, None, None, None, *a)
 
-    return launch
+    if descriptors or not _driver_launch_on():
+        return launch
+    return driver_launch.build(compiled, template, slots, (), (g0, g1, g2), launch) or launch
 
 
 # Whether launches with TMA descriptors keep their tensor maps by address (`_tensor_map_launch`);
 # scripts/host_profile.py turns it off to tell a fault there from one in the rest
 TENSOR_MAPS = True
+
+
+def _driver_launch_on() -> bool:
+    """Whether cached launches call the CUDA driver themselves (lowering/driver_launch.py) rather
+    than Triton's C launcher (HILBERT_FX_DRIVER_LAUNCH; read when a launch is first made)."""
+    from .tuning import tuning
+    return tuning().driver_launch
 
 # Triton 3.6's C launcher takes, before the kernel's parameters: the grid (3), the stream, the
 # function, cooperative launch, programmatic dependent launch, two scratch buffers, the kernel's
@@ -172,8 +184,7 @@ TENSOR_MAPS = True
 _BASE_ARGS = 13
 
 
-def _tensor_map_launch(run, template: list, slots, descriptors, grid, function, metadata,
-                       bufs: list):
+def _tensor_map_launch(compiled, template: list, slots, descriptors, grid, bufs: list):
     """For a kernel that takes TMA descriptors: a function (bufs, stream) that calls Triton's C
     launcher itself, each descriptor's expansion (tensor map, shape, strides) kept by data
     pointer (gluon_forward.Descriptor.expanded), where Triton 3.6's Python wrapper around that
@@ -184,6 +195,7 @@ def _tensor_map_launch(run, template: list, slots, descriptors, grid, function, 
     scratch memory, which the wrapper's caller would allocate."""
     import inspect
     import sys
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
     try:
         closure = inspect.getclosurevars(run.launch).nonlocals
         driver = sys.modules[type(run).__module__]
@@ -229,7 +241,12 @@ def _tensor_map_launch(run, template: list, slots, descriptors, grid, function, 
             a[start:stop] = desc.expanded(bufs[slot])
         raw(*a)
 
-    return launch
+    if not _driver_launch_on():
+        return launch
+    return driver_launch.build(
+        compiled, flat[_BASE_ARGS:], [(i - _BASE_ARGS, slot) for i, slot in flat_slots],
+        [(start - _BASE_ARGS, slot, desc.expanded) for start, _, slot, desc in spans], grid,
+        launch) or launch
 
 
 class Emulated:

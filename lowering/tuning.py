@@ -25,6 +25,8 @@ The environment variables, all optional:
   specialising its arguments, building the Hopper kernels' TMA descriptors) instead of reusing
   what the first call of a configuration bound (lowering/triton_launch.py); for
   comparing the two, and a way out should a Triton release change what that reuse relies on.
+- HILBERT_FX_DRIVER_LAUNCH=0: those cached launches go through Triton's C launcher instead of
+  calling the CUDA driver with a parameter block packed once (lowering/driver_launch.py).
 
 The tile tables live here too, with why each entry is what it is.
 """
@@ -84,6 +86,7 @@ class Tuning:
     gluon: bool = True  # HILBERT_FX_GLUON
     gluon_runs: bool = True  # HILBERT_FX_GLUON_RUNS
     fast_launch: bool = True  # HILBERT_FX_FAST_LAUNCH
+    driver_launch: bool = True  # HILBERT_FX_DRIVER_LAUNCH
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Tuning":
@@ -102,7 +105,8 @@ class Tuning:
             deterministic_env=_flag(env, "HILBERT_FX_DETERMINISTIC", False),
             gluon=_flag(env, "HILBERT_FX_GLUON", True),
             gluon_runs=_flag(env, "HILBERT_FX_GLUON_RUNS", True),
-            fast_launch=_flag(env, "HILBERT_FX_FAST_LAUNCH", True))
+            fast_launch=_flag(env, "HILBERT_FX_FAST_LAUNCH", True),
+            driver_launch=_flag(env, "HILBERT_FX_DRIVER_LAUNCH", True))
 
     def deterministic(self) -> bool:
         """Whether the backward must be bitwise repeatable: HILBERT_FX_DETERMINISTIC or torch's
