@@ -118,7 +118,9 @@ def problem(q, k, v, attn_mask=None, *, is_causal: bool = False, dropout_p: floa
 
     position_ids, cu_seqlens, seqused_k: the sequence structure of SPEC section 5 (README.md,
     "Packed sequences, padding and a KV cache"). q shorter than k is a cache continuation: the
-    queries are the last tokens of the sequences whose keys k holds, which needs is_causal.
+    queries are the last tokens of the sequences whose keys k holds, which needs is_causal, or
+    an attn_mask [.., Nq, Nk] of their rows (a sliding window, ALiBi: the queries' rows of
+    section 2 with the mask, over the rows of k up to seqused_k).
 
     same_dtype: whether q, k and v must share a dtype. None (the op): unless autocast is on for
     q's device, since autocast casts them to one. The pass passes False: it does not know the
@@ -140,11 +142,12 @@ def problem(q, k, v, attn_mask=None, *, is_causal: bool = False, dropout_p: floa
     if same_dtype and _dtype_problem(qs.dtype, ks.dtype, vs.dtype):
         return _dtype_problem(qs.dtype, ks.dtype, vs.dtype)
     (b, hq, n, d), (bk, hkv, nk, dk), (bv, hv, nv, _) = qs.shape, ks.shape, vs.shape
-    if n > nk or (n < nk and not is_causal):
+    if n > nk or (n < nk and not is_causal and attn_mask is None):
         # "different lengths ... not self-attention": the pass reports cross-attention sites so
         return (f"q and k have different lengths (q has {n} positions, k has {nk}): not "
                 f"self-attention over one sequence, where q and k must have the same length "
-                f"(or q the last tokens of a cached sequence in k, which needs is_causal=True)")
+                f"(or q the last tokens of a cached sequence in k, which needs is_causal=True "
+                f"or an attn_mask of their rows)")
     if nv != nk:
         return f"k and v must have the same length, got {nk} and {nv}"
     if not (b == bk == bv):
@@ -172,13 +175,15 @@ def problem(q, k, v, attn_mask=None, *, is_causal: bool = False, dropout_p: floa
             return f"attn_mask must have at most 4 dimensions, got {m.dim()}"
         # The mask must broadcast TO the scores' shape, not merely with it: a mask of batch 2
         # against q of batch 1 broadcasts with it (to batch 2) but cannot be expanded to it.
-        target = (b, hq, n, n)
+        target = (b, hq, n, nk)
         try:
             fits = tuple(torch.broadcast_shapes(m.shape, target)) == target
         except RuntimeError:
             fits = False
         if not fits:
-            return f"attn_mask of shape {m.shape} does not broadcast to [B, Hq, N, N] = {target}"
+            return (f"attn_mask of shape {m.shape} does not broadcast to [B, Hq, N, N] = {target}"
+                    if n == nk else f"attn_mask of shape {m.shape} does not broadcast to "
+                    f"[B, Hq, Nq, Nk] = {target} (the queries' rows of a cached sequence)")
         if m.requires_grad:
             return ("attn_mask must not require grad: it requires grad (a learned bias, such as "
                     "T5's relative position bias, in training), and the op does not compute the "
@@ -210,9 +215,12 @@ def _structure_problem(b, n, nk, attn_mask, is_causal, dropout_p, position_ids, 
             return f"{name} must not require grad"
     if position_ids is not None and cu_seqlens is not None:
         return "position_ids and cu_seqlens cannot both be given (each says where sequences start)"
-    if given and attn_mask is not None:
-        return (f"attn_mask cannot be combined with {' or '.join(given)}: the sequence structure "
-                f"replaces the mask (SPEC section 5)")
+    # a mask beside seqused_k is a cached sequence's rows of section 2 with that mask; documents
+    # and padding by positions are a structure that replaces the mask
+    placed = [name for name in given if name != "seqused_k"]
+    if placed and attn_mask is not None:
+        return (f"attn_mask cannot be combined with {' or '.join(placed)}: the sequence "
+                f"structure replaces the mask (SPEC section 5)")
     if position_ids is not None:
         shape = TensorSpec.of(position_ids).shape
         if shape not in ((nk,), (1, nk), (b, nk)):
@@ -226,8 +234,9 @@ def _structure_problem(b, n, nk, attn_mask, is_causal, dropout_p, position_ids, 
         shape = TensorSpec.of(seqused_k).shape
         if shape != (b,):
             return f"seqused_k must have shape [B] = [{b}], got {shape}"
-        if not is_causal:
-            return "seqused_k (queries continuing a cached sequence) needs is_causal=True"
+        if not is_causal and attn_mask is None:
+            return ("seqused_k (queries continuing a cached sequence) needs is_causal=True or an "
+                    "attn_mask of the queries' rows")
     if (n < nk or seqused_k is not None) and float(dropout_p) > 0.0:
         return "dropout_p must be 0 for queries against a cache (q shorter than k, or seqused_k)"
     return ""

@@ -9,6 +9,12 @@ lies between the sequence's tokens, in general the rows of those ranks among the
 tokens (sequences.key_ranks), so padding inside the sequence is never a key. So each query
 reads at most w / r keys per branch, however long the cache is. Branches are merged by
 log-sum-exp as in lowering/sdpa_lowering.py.
+
+With an attn_mask of the queries' rows ([.., Nq, Nk]: a sliding window or ALiBi beside a cache)
+a query's keys are the members of its set that exist (rows of its sequence: position >= 0) and
+that the mask allows, the mask's values added to their scores: the query's row of section 2
+with that mask, which does not make a query causal by itself (the mask does). Only
+plain rows take a mask (no position_ids: arguments.problem), so keys are found by row.
 """
 from __future__ import annotations
 
@@ -20,10 +26,12 @@ from .sequences import Cache, cached_query_positions, key_ranks, tables
 NEG_INF = float("-inf")
 
 
-def _keys(q, k, cache: Cache, positions: Tensor, ranks, w: int, r: int, hilbert: bool):
-    """(key_rows [B, Nq, L], allowed [B, Hq, Nq, L]) of one branch: the key rows of each query's
-    set (L = w // r) and which of them it attends to (causal; only heads of its class)."""
-    hq, nk = q.shape[1], k.shape[2]
+def _keys(q, k, cache: Cache, positions: Tensor, ranks, w: int, r: int, hilbert: bool,
+          mask=None):
+    """(key_rows [B, Nq, L], allowed [B, Hq, Nq, L], bias [B, Hq, Nq, L] or None) of one branch:
+    the key rows of each query's set (L = w // r), which of them it attends to (causal, or as
+    the mask allows; only heads of its class) and a float mask's values at them."""
+    b, hq, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     members, classes = tables(w, r, hilbert, q.device)
     p = positions.clamp(min=0)
     c = p % w
@@ -40,10 +48,23 @@ def _keys(q, k, cache: Cache, positions: Tensor, ranks, w: int, r: int, hilbert:
         start = rank.gather(1, rows) - p + (p // w) * w
         wanted = (start.unsqueeze(-1) + own).clamp(0, nk - 1)  # [B, Nq, L]: the keys' ranks
         key_rows = row_of_rank.gather(1, wanted.flatten(1)).view_as(wanted)
-    allowed = (own <= c.unsqueeze(-1)) & (positions >= 0).unsqueeze(-1)  # [B, Nq, L]
+    if mask is None:
+        allowed = own <= c.unsqueeze(-1)  # [B, Nq, L]
+    else:  # the set's members that are rows of the sequence; the mask says which it sees
+        inside = start.unsqueeze(-1) + own < nk
+        allowed = inside & (cache.key_positions.gather(1, key_rows.flatten(1))
+                            .view_as(key_rows) >= 0)
+    allowed = allowed & (positions >= 0).unsqueeze(-1)
     heads = torch.arange(hq, device=q.device)
     takes_part = (heads.view(1, hq, 1) % r) == cls.unsqueeze(1)  # [B, Hq, Nq]
-    return key_rows, allowed.unsqueeze(1) & takes_part.unsqueeze(-1)
+    allowed = allowed.unsqueeze(1) & takes_part.unsqueeze(-1)
+    if mask is None:
+        return key_rows, allowed, None
+    index = key_rows.unsqueeze(1).expand(b, hq, nq, key_rows.shape[-1])
+    at_keys = mask.expand(b, hq, nq, nk).gather(-1, index)  # [B, Hq, Nq, L]
+    if at_keys.dtype == torch.bool:
+        return key_rows, allowed & at_keys, None
+    return key_rows, allowed & (at_keys != NEG_INF), at_keys
 
 
 def _gather(x: Tensor, key_rows: Tensor) -> Tensor:
@@ -62,12 +83,14 @@ def _scores(q, kg, scale):
 
 
 def _branch(q, k, v, cache: Cache, positions: Tensor, ranks, w: int, r: int, hilbert: bool,
-            scale: float) -> tuple[Tensor, Tensor]:
+            scale: float, mask=None) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, Nq, Dv], lse [B, Hq, Nq]) of one branch in q's dtype / float32 or wider."""
     b, hq, nq, _ = q.shape
     hkv = k.shape[1]
-    key_rows, allowed = _keys(q, k, cache, positions, ranks, w, r, hilbert)
+    key_rows, allowed, bias = _keys(q, k, cache, positions, ranks, w, r, hilbert, mask)
     scores = _scores(q, _gather(k, key_rows), scale)
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
     has_key = allowed.any(-1)
     # rows with no key keep finite scores (0) until their lse is set to -inf
     scores = scores.masked_fill(~allowed & has_key.unsqueeze(-1), NEG_INF)
@@ -81,17 +104,19 @@ def _branch(q, k, v, cache: Cache, positions: Tensor, ranks, w: int, r: int, hil
 
 def decode_forward(q: Tensor, k: Tensor, v: Tensor, key_positions: Tensor, query_rows: Tensor,
                    segment_lengths, dilation_rates, hilbert: bool,
-                   scale: float, *, gapless: bool = False) -> tuple[Tensor, Tensor]:
+                   scale: float, *, gapless: bool = False,
+                   attn_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, Nq, Dv] in q.dtype, lse [B, Hq, Nq]); rows with no key: out 0, lse -inf.
     key_positions [B, Nk]: each key row's position in its sequence (negative: not a key);
     query_rows [B, Nq]: the key row each query stands at (lowering/sequences.Cache).
     gapless: no padding lies between a sequence's tokens (Cache.gapless), so a key's row is its
-    rank and the O(Nk) rank tables are not built."""
+    rank and the O(Nk) rank tables are not built. attn_mask: broadcast to [B, Hq, Nq, Nk],
+    boolean (True: allowed) or added to the scores; it needs gapless (the module's docstring)."""
     cache = Cache(key_positions, query_rows)
     positions = cached_query_positions(cache)
     ranks = None if gapless else key_ranks(key_positions)
     wide = torch.promote_types(q.dtype, torch.float32)
-    outs, lses = zip(*(_branch(q, k, v, cache, positions, ranks, w, r, hilbert, scale)
+    outs, lses = zip(*(_branch(q, k, v, cache, positions, ranks, w, r, hilbert, scale, attn_mask)
                        for w, r in zip(segment_lengths, dilation_rates)))
     lse_all = torch.stack(lses)  # [branches, B, Hq, Nq]
     top = lse_all.max(0).values
@@ -107,8 +132,8 @@ def decode_forward(q: Tensor, k: Tensor, v: Tensor, key_positions: Tensor, query
 
 def decode_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     key_positions: Tensor, query_rows: Tensor, segment_lengths, dilation_rates,
-                    hilbert: bool, scale: float, *,
-                    gapless: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                    hilbert: bool, scale: float, *, gapless: bool = False,
+                    attn_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) given the final out and lse: the merged output is one softmax over every
     (branch, key) pair a query attends to, normalised by the final lse, so each branch's share
     is FlashAttention's backward with P = exp(S - lse) and Delta = rowsum(dO * O)."""
@@ -127,9 +152,12 @@ def decode_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     dv = torch.zeros(b, nk, hkv, v.shape[-1], dtype=wide, device=q.device)
     batch = torch.arange(b, device=q.device).view(b, 1, 1)
     for w, r in zip(segment_lengths, dilation_rates):
-        key_rows, allowed = _keys(q, k, cache, positions, ranks, w, r, hilbert)
+        key_rows, allowed, bias = _keys(q, k, cache, positions, ranks, w, r, hilbert, attn_mask)
         kg, vg = _gather(k, key_rows).to(wide), _gather(v, key_rows).to(wide)  # [B, Nq, L, Hkv, *]
-        probs = torch.exp(_scores(q.to(wide), kg, scale) - lse_safe).masked_fill(~allowed, 0.0)
+        scores = _scores(q.to(wide), kg, scale)
+        if bias is not None:
+            scores = scores + bias.to(wide)
+        probs = torch.exp(scores - lse_safe).masked_fill(~allowed, 0.0)
         probs = probs.view(b, hkv, group, nq, -1)
         dprobs = torch.einsum("bkgnd,bnlkd->bkgnl", dout_w.view(b, hkv, group, nq, -1), vg)
         dscores = probs * (dprobs - delta.view(b, hkv, group, nq, 1)) * scale

@@ -84,7 +84,7 @@ def _rows_of(q: Tensor, k: Tensor, position_ids, seqused_k):
 
 
 def _layout(q: Tensor, k: Tensor, segment_lengths, dilation_rates, hilbert, position_ids,
-            seqused_k):
+            seqused_k, masked: bool = False):
     """What the forward and the backward of a call both read of its rows: (kind, plans, cache)
     with kind "plain", "packed", "decode" (few queries against a cache, no plans) or "chunk"
     (many queries against a cache, placed at their rows). Built once per call on the eager
@@ -96,6 +96,9 @@ def _layout(q: Tensor, k: Tensor, segment_lengths, dilation_rates, hilbert, posi
     kind, what = rows
     if kind == "cache" and q.shape[2] <= sequences.DECODE_MAX_QUERIES:
         return "decode", None, what
+    if kind == "cache" and masked:  # queries placed at their rows, the mask over the row
+        return "chunk", _plain_plans(k.shape[2], segment_lengths, dilation_rates, hilbert,
+                                     q.device), what
     if kind == "cache":
         return "chunk", sequences.plans_of(what.key_positions, segment_lengths, dilation_rates,
                                            hilbert), what
@@ -125,10 +128,20 @@ def _forward(q, k, v, layout, segment_lengths, dilation_rates, hilbert, is_causa
     if kind == "plain":
         return lower.forward(q, k, v, plans, is_causal=is_causal, attn_mask=attn_mask,
                              scale=scale, dropout_p=dropout_p, seed=seed)
+    if kind == "decode" and attn_mask is not None:  # the Triton decode kernel takes no mask
+        return decode.decode_forward(
+            q, k, v, cache.key_positions, cache.query_rows, segment_lengths, dilation_rates,
+            hilbert, scale, gapless=cache.gapless, attn_mask=attn_mask)
     if kind == "decode":
         return _decode_module(lowering).decode_forward(
             q, k, v, cache.key_positions, cache.query_rows, segment_lengths, dilation_rates,
             hilbert, scale, gapless=cache.gapless)
+    if kind == "chunk" and attn_mask is not None:
+        rows = cache.query_rows
+        out, lse = lower.forward(_at_rows(q, rows, k.shape[2]), k, v, plans, is_causal=False,
+                                 attn_mask=_placed_mask(attn_mask, cache, q.shape[1]),
+                                 scale=scale, dropout_p=dropout_p, seed=seed)
+        return _from_rows(out, rows), _from_rows(lse, rows)
     b = q.shape[0]
     if kind == "chunk":  # many queries: place them at their rows, run the sets of every row
         q = _at_rows(q, cache.query_rows, k.shape[2])
@@ -139,6 +152,24 @@ def _forward(q, k, v, layout, segment_lengths, dilation_rates, hilbert, is_causa
     if cache is not None:
         out, lse = _from_rows(out, cache.query_rows), _from_rows(lse, cache.query_rows)
     return out, lse
+
+
+def _placed_mask(mask: Tensor, cache, hq: int) -> Tensor:
+    """A mask [.., Nq, Nk] of queries at cache.query_rows laid over the rows of a [B, H, Nk, Nk]
+    mask (H: the mask's heads, 1 or Hq) for the queries placed at their rows (`_at_rows`):
+    every key forbidden to the rows that hold no query, and to every row the keys that are no
+    rows of the sequence (past seqused_k). O(Nk^2): only a chunk of many queries against a
+    cache with a mask kept (a static cache's prompt under a sliding window or ALiBi) builds it."""
+    b, nq = cache.query_rows.shape
+    nk = cache.key_positions.shape[1]
+    heads = mask.shape[-3] if mask.dim() >= 3 else 1
+    m = mask.expand(b, heads, nq, nk)
+    forbidden = False if m.dtype == torch.bool else float("-inf")
+    rows = cache.query_rows
+    inside = (rows >= 0) & (rows < nk)
+    index = torch.where(inside, rows, nk).view(b, 1, nq, 1).expand(b, heads, nq, nk)
+    full = m.new_full((b, heads, nk + 1, nk), forbidden).scatter(2, index, m)[:, :, :nk]
+    return full.masked_fill((cache.key_positions < 0).view(b, 1, 1, nk), forbidden)
 
 
 def _at_rows(q: Tensor, rows: Tensor, n: int) -> Tensor:
@@ -208,7 +239,8 @@ def _run_forward(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, a
                 q.new_full((b, hq, n), float("-inf"),
                            dtype=torch.promote_types(q.dtype, torch.float32)), None)
     dtype = _compute_dtype(q, lowering)
-    layout = _layout(q, k, segment_lengths, dilation_rates, hilbert, position_ids, seqused_k)
+    layout = _layout(q, k, segment_lengths, dilation_rates, hilbert, position_ids, seqused_k,
+                     attn_mask is not None)
     out, lse = _forward(_as(q, dtype), _as(k, dtype), _as(v, dtype), layout, segment_lengths,
                         dilation_rates, hilbert, is_causal, attn_mask, dropout_p, seed, scale,
                         lowering)
@@ -222,7 +254,8 @@ def _run_backward(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilb
     if _empty(q, v):  # every gradient has a zero-size dimension, or no row reaches it
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if layout is None:
-        layout = _layout(q, k, segment_lengths, dilation_rates, hilbert, position_ids, seqused_k)
+        layout = _layout(q, k, segment_lengths, dilation_rates, hilbert, position_ids, seqused_k,
+                         attn_mask is not None)
     dtype = _compute_dtype(q, lowering)
     dq, dk, dv = _backward_in(_as(dout, dtype), _as(q, dtype), _as(k, dtype), _as(v, dtype),
                               _as(out, dtype), lse, layout, segment_lengths, dilation_rates,
@@ -241,8 +274,17 @@ def _backward_in(dout, q, k, v, out, lse, layout, segment_lengths, dilation_rate
         # few queries (a decoding step) have no backward kernel: decode.py's torch operations
         return decode.decode_backward(dout, q, k, v, out, lse, cache.key_positions,
                                       cache.query_rows, segment_lengths, dilation_rates, hilbert,
-                                      scale, gapless=cache.gapless)
+                                      scale, gapless=cache.gapless, attn_mask=attn_mask)
     b, nk = q.shape[0], k.shape[2]
+    if kind == "chunk" and attn_mask is not None:
+        rows_q = cache.query_rows
+        placed = [_at_rows(x, rows_q, nk) for x in (dout, q, out)]
+        lse = _at_rows(lse.unsqueeze(-1), rows_q, nk).squeeze(-1)
+        dq, dk, dv = lower.backward(placed[0], placed[1], k, v, placed[2], lse, plans,
+                                    is_causal=False,
+                                    attn_mask=_placed_mask(attn_mask, cache, q.shape[1]),
+                                    scale=scale, dropout_p=dropout_p, seed=seed)
+        return _from_rows(dq, rows_q), dk, dv
     if kind == "chunk":  # the gradients of the rows that hold no query are 0 (dout 0 there)
         rows_q = cache.query_rows
         q, dout, out = (_at_rows(x, rows_q, nk) for x in (q, dout, out))

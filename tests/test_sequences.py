@@ -726,12 +726,13 @@ def _raises(match, q, k, v, **kw):
         hilbert_fx.dilated_attention(q, k, v, [4], [1], **kw)
 
 
-@pytest.mark.parametrize("arg", ["position_ids", "cu_seqlens", "seqused_k"])
+@pytest.mark.parametrize("arg", ["position_ids", "cu_seqlens"])
 def test_error_attn_mask_with_sequence_argument(arg):
+    """Positions are a structure that replaces the mask; seqused_k beside a mask is a cache's
+    rows of section 2 with it (test_cache_with_a_mask_gives_its_rows_of_section_2)."""
     q, k, v = _qkv()
     value = {"position_ids": torch.arange(6).expand(2, 6),
-             "cu_seqlens": torch.tensor([0, 6, 12], dtype=torch.int32),
-             "seqused_k": torch.tensor([6, 6], dtype=torch.int32)}[arg]
+             "cu_seqlens": torch.tensor([0, 6, 12], dtype=torch.int32)}[arg]
     mask = torch.ones(6, 6, dtype=torch.bool)
     _raises(rf"(?s)(attn_mask.*{arg}|{arg}.*attn_mask)", q, k, v, attn_mask=mask, **{arg: value})
 
@@ -740,6 +741,79 @@ def test_error_shorter_q_without_is_causal():
     q, k, v = _qkv(Nq=2, Nk=6)
     _raises("is_causal", q, k, v)
     _raises("is_causal", q, k, v, seqused_k=torch.tensor([6, 5]))
+
+
+def test_error_a_cache_mask_must_cover_the_queries_rows():
+    """Beside a cache the mask is [.., Nq, Nk]: a square one is not the queries' rows."""
+    q, k, v = _qkv(Nq=2, Nk=6)
+    _raises(r"attn_mask.*\[B, Hq, Nq, Nk\]", q, k, v, attn_mask=torch.ones(6, 6, dtype=torch.bool))
+    _raises("is_causal", q, k, v, attn_mask=torch.ones(2, 6, dtype=torch.bool), is_causal=True)
+
+
+def _cache_mask(kind: str, hq: int, n: int) -> torch.Tensor:
+    """A model's mask over a whole sequence of n tokens: causal with a sliding window of 6 keys
+    (boolean, one head), or ALiBi (a float bias per head, -inf above the diagonal)."""
+    i, j = torch.arange(n).view(n, 1), torch.arange(n).view(1, n)
+    if kind == "window":
+        return ((j <= i) & (j > i - 6)).view(1, 1, n, n)
+    slopes = 2.0 ** (-torch.arange(1, hq + 1, dtype=torch.float64)).view(hq, 1, 1)
+    bias = -slopes * (i - j).to(torch.float64)
+    return torch.where(j <= i, bias, float("-inf")).view(1, hq, n, n)
+
+
+def cache_mask_case(nq, kind, static, *, lowering="sdpa", dtype=torch.float64, seed=0):
+    """Queries at each batch row's last nq used rows, with their rows of a model's mask over the
+    whole sequence, against the float64 reference of that sequence with its whole mask, rows
+    [used - nq, used): out and the gradients of q, k and v (0 past seqused_k)."""
+    torch.manual_seed(seed)
+    B, Hq, Hkv, Nk, D = 2, 4, 2, 45, 8
+    segs, rates = (8, 16, 32), (1, 2, 4)
+    used = torch.tensor([Nk, 33]) if static else torch.tensor([Nk, Nk])
+    rows = used.view(B, 1) - nq + torch.arange(nq)
+    q = torch.randn(B, Hq, nq, D, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, Nk, D, dtype=dtype, requires_grad=True) for _ in range(2))
+    whole = _cache_mask(kind, Hq, Nk)
+    mask = torch.stack([whole[0, :, rows[b]] for b in range(B)]).to(
+        dtype if whole.is_floating_point() else torch.bool)
+    out = hilbert_fx.dilated_attention(q, k, v, segs, rates, hilbert=True, attn_mask=mask,
+                                       enable_gqa=True, seqused_k=used if static else None,
+                                       lowering=lowering)
+    g = torch.randn_like(out)
+    out.backward(g)
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    refs = []
+    for b in range(B):
+        n = int(used[b])
+        q_whole = torch.cat([torch.zeros(1, Hq, n - nq, D, dtype=torch.float64), qr[b:b + 1]], 2)
+        refs.append(reference_dilated_attention(
+            q_whole, kr[b:b + 1, :, :n], vr[b:b + 1, :, :n], segs, rates, hilbert=True,
+            attn_mask=whole[:, :, :n, :n], enable_gqa=True)[:, :, n - nq:])
+    ref = torch.cat(refs)
+    ref.backward(g.double())
+    for what, got, want in (("out", out, ref), ("dq", q.grad, qr.grad), ("dk", k.grad, kr.grad),
+                            ("dv", v.grad, vr.grad)):
+        assert_matches(got, want, what, dtype)
+    # the model's mask forbids keys past each query: the rows equal the causal op's, so a model
+    # decoded with its window or ALiBi kept computes what its whole forward computes
+    if static:
+        assert k.grad[1, :, 33:].abs().max() == 0 and v.grad[1, :, 33:].abs().max() == 0
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["window", "alibi"])
+@pytest.mark.parametrize("nq", [1, 3, 20], ids=["step", "steps", "chunk"])
+def test_cache_with_a_mask_gives_its_rows_of_section_2(nq, kind, static):
+    """A sliding window or ALiBi beside a cache (a decoding step of Mistral, Gemma's local
+    layers, Bloom): the queries' rows of section 2 with the model's mask, over the sequence's
+    rows (decode.py for a step, the lowering over the placed rows for a chunk)."""
+    cache_mask_case(nq, kind, static, seed=nq)
+
+
+@pytest.mark.parametrize("nq", [1, 20], ids=["step", "chunk"])
+def test_cache_with_a_mask_triton(nq):
+    require_triton()
+    cache_mask_case(nq, "window", True, lowering="triton", dtype=torch.float32, seed=40 + nq)
+    cache_mask_case(nq, "alibi", False, lowering="triton", dtype=torch.float32, seed=50 + nq)
 
 
 def test_error_seqused_k_without_is_causal():
