@@ -22,7 +22,7 @@ from .dataflow import DataFlow
 from .detect_manual import find_manual_sites
 from .detect_mha import find_mha_sites
 from .detect_sdpa import find_flex_sites, find_sdpa_sites
-from .fx_vocab import example
+from .fx_vocab import example, same_size
 from .lowering.arguments import TensorSpec, problem
 from .sites import Match, module_stack
 from .structure import structure_specs
@@ -48,8 +48,16 @@ def _check_shapes(site: Match) -> str:
     # enable_gqa=True: the pass sets the site's flag once the heads divide; same_dtype=False:
     # the rewritten op is cast as SDPA is under autocast, whose state the pass does not see
     structure = structure_specs(site.sequences, site.q, site.k, site.shapes)
-    return problem(q, k, v, mask, is_causal=site.is_causal, dropout_p=site.dropout_p,
-                   enable_gqa=True, same_dtype=False, **structure)
+    reason = problem(q, k, v, mask, is_causal=site.is_causal, dropout_p=site.dropout_p,
+                     enable_gqa=True, same_dtype=False, **structure)
+    nq, nk = q.shape[2], k.shape[2]
+    if not reason and site.sequences is None and not same_size(nq, nk):
+        # the op reads q shorter than k as the last rows of a cached sequence (SPEC section 5):
+        # only a cache the pass proved (structure.read_site) places them so
+        reason = (f"q and k have different lengths (q has {nq} positions, k has {nk}), and k "
+                  f"and v are no cache the pass can see: where the queries stand among the "
+                  f"keys is not known")
+    return reason
 
 
 def _complete(match: Match, flow: DataFlow) -> Match:

@@ -364,14 +364,21 @@ def read_site(flow, q, k, v, attn_mask, is_causal: bool, site: fx.Node, atoms=No
             what = ("the mask is an input of the compiled graph, built outside it (in an earlier "
                     "graph, across a graph break, or by generate() for a static cache), so the "
                     "pass cannot read what it allows")
-        if shorter and cache is not None:
-            return None, f"q and k have different lengths (q has {nq} positions, k has {nk}): {what}"
+        if shorter:
+            beside = "" if cache is not None else ", and k and v are no cache the pass can see"
+            return None, (f"q and k have different lengths (q has {nq} positions, k has {nk})"
+                          f"{beside}: {what}")
         return None, what
     if not _batch_ok(atoms, attn_mask if from_mask else None):
         return None, "the mask reads its per-token tensors at an index that is not the batch's"
     rels = [a for a in atoms if isinstance(a, Rel)]
     lengths = f"q and k have different lengths (q has {nq} positions, k has {nk})"
     if shorter and cache is None:
+        if is_causal or attn_mask is not None or atoms:
+            # the op would take the queries for the last rows of k (SPEC section 5), where SDPA
+            # aligns is_causal top-left and a mask may say anything
+            return None, (f"{lengths}, and k and v are no cache the pass can see: where the "
+                          f"queries stand among the keys is not known")
         # the rule book's words (lowering.arguments.problem) say what is wrong
         return None, ""
     if cache is None and not rels:
