@@ -48,16 +48,21 @@ def _check_shapes(site: Match) -> str:
     # enable_gqa=True: the pass sets the site's flag once the heads divide; same_dtype=False:
     # the rewritten op is cast as SDPA is under autocast, whose state the pass does not see
     structure = structure_specs(site.sequences, site.q, site.k, site.shapes)
-    reason = problem(q, k, v, mask, is_causal=site.is_causal, dropout_p=site.dropout_p,
-                     enable_gqa=True, same_dtype=False, **structure)
-    nq, nk = q.shape[2], k.shape[2]
-    if not reason and site.sequences is None and not same_size(nq, nk):
-        # the op reads q shorter than k as the last rows of a cached sequence (SPEC section 5):
-        # only a cache the pass proved (structure.read_site) places them so
-        reason = (f"q and k have different lengths (q has {nq} positions, k has {nk}), and k "
-                  f"and v are no cache the pass can see: where the queries stand among the "
-                  f"keys is not known")
-    return reason
+    return problem(q, k, v, mask, is_causal=site.is_causal, dropout_p=site.dropout_p,
+                   enable_gqa=True, same_dtype=False, **structure)
+
+
+def _placed(match: Match) -> str:
+    """Why the queries of a self-attention shorter than its keys cannot be placed, or "": the
+    op reads them as the last rows of a cached sequence (SPEC section 5), which only a cache
+    the pass proved (structure.read_site) says they are."""
+    q, k = (match.shapes.q, match.shapes.k) if match.shapes is not None else (
+        example(match.q).shape, example(match.k).shape)
+    if match.sequences is not None or same_size(q[2], k[2]):
+        return ""
+    return (f"q and k have different lengths (q has {q[2]} positions, k has {k[2]}), and k and "
+            f"v are no cache the pass can see: where the queries stand among the keys is not "
+            f"known")
 
 
 def _complete(match: Match, flow: DataFlow) -> Match:
@@ -74,7 +79,7 @@ def _complete(match: Match, flow: DataFlow) -> Match:
         new_kv = match.sequences.new_kv if match.sequences is not None else None
         _, reason = flow.common_source([match.q, *(new_kv or (match.k, match.v))])
         # in a piece of a DDP model's graph, the whole graph's proof (ddp_pieces.py)
-        reason = ddp_pieces.whole_reason(match, reason)
+        reason = ddp_pieces.whole_reason(match, reason) or _placed(match)
     if reason:
         return replace(match, reason=reason)
     if match.enable_gqa is False and match.shapes is None:
