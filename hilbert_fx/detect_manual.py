@@ -632,8 +632,15 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Match]:
             return Match(kind="manual", output=products[0][0], reason=str(fail))
         return None
     spec, ops = _product_operands(scores.product)
-    if len(ops) != 2 or not all(is_tensor(o) for o in ops) or not all(
-            flow.is_activation(o) for o in ops):
+    if len(ops) != 2 or not all(is_tensor(o) for o in ops):
+        return None
+    if not all(flow.is_activation(o) for o in ops):
+        active = [o for o in ops if flow.is_activation(o)]
+        if len(active) == 1 and flow.common_source([active[0], products[0][2]])[0] is not None:
+            # a learned query against the sequence's keys and values: attention pooling
+            return Match(kind="manual", output=products[0][0], reason=(
+                "the queries (or keys) of the scores are not computed from the input: a learned "
+                "query against the sequence (attention pooling), not self-attention"))
         return None  # scores of a linear layer, not of two activations: not attention
     product, probs, v = products[0]
     found = Match(kind="manual", output=product)

@@ -530,6 +530,31 @@ def test_softmaxes_that_are_not_self_attention_are_not_rewritten():
         torch.testing.assert_close(a, b)
 
 
+class LearnedQueryPooling(nn.Module):
+    """Attention pooling: learned queries against the sequence's keys and values."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(E, 3 * E) * E ** -0.5)
+        self.latents = nn.Parameter(torch.randn(1, H, 5, D))
+
+    def forward(self, x):
+        _, k, v = project(x, self.w)
+        return merge(torch.softmax(self.latents @ k.transpose(-1, -2) * SCALE, -1) @ v)
+
+
+def test_attention_pooling_with_a_learned_query_is_reported():
+    """Not self-attention, and not silent: explain has its row, and it runs as written."""
+    torch.manual_seed(0)
+    model = LearnedQueryPooling()
+    x, _ = inputs(1)
+    report = hilbert_fx.explain(model, x, backend=hilbert_fx.backend(W, R, lowering="sdpa"))
+    assert [(s.kind, s.action) for s in report.sites] == [("manual", "skipped")], report
+    assert "learned query" in report.sites[0].reason, report
+    out = torch.compile(model, backend=hilbert_fx.backend(W, R, lowering="sdpa"))(x)
+    torch.testing.assert_close(out, model(x))
+
+
 class ManualCross(nn.Module):
     def __init__(self):
         super().__init__()
