@@ -24,6 +24,9 @@ from .triangles import Tri, Triangles, concrete_triangle, names_nodes
 
 
 CROSS = "keys/values are not computed from the queries' sequence (cross-attention)"
+CROSS_ROWS = ("keys/values are not the queries' sequence: they come from other rows or positions "
+              "of the tensor the queries come from (a slice, chunk, flip or roll along its batch "
+              "or sequence), cross-attention")
 
 
 def activation_sources(graph: fx.Graph) -> dict[fx.Node, frozenset]:
@@ -96,6 +99,7 @@ class DataFlow:
         self.sources = activation_sources(graph)
         self._constants: dict = {}
         self._lower_triangles: dict = {}  # lower_triangle's answers
+        self._rows = None  # row_labels
         self._triangles = None
         # sympy symbols of run-time offsets (triangles.py) -> (the tensor node, how many in-place
         # writes to it come before the read); a region shares its caller's
@@ -179,7 +183,16 @@ class DataFlow:
         for b in below:
             if b is not source and b not in nodes and self.mixes_positions(b):
                 return None, CROSS
+        if self.row_labels().cut_apart(nodes):
+            return None, CROSS_ROWS
         return source, ""
+
+    def row_labels(self):
+        """Which dims of each node are an activation's own (rows.py), computed once."""
+        if self._rows is None:
+            from .rows import RowLabels
+            self._rows = RowLabels(self)
+        return self._rows
 
     # -- causal triangles for every size ------------------------------------------------------
     def triangle(self, node):
