@@ -711,7 +711,7 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Match]:
         if note and not same_size(qs[2], ks[2]):
             return replace(found, reason=note)
     if sequences is not None:
-        is_causal, kept = sequences.is_causal, []
+        is_causal, kept = sequences.is_causal, (list(terms) if sequences.keep_mask else [])
     else:
         is_causal, kept = resolve_masks(flow, terms, n) if n is not None else (False, terms)
     # Masks met where the scores are [B*H, i, j] are unfolded by the head count. Where they are

@@ -46,7 +46,8 @@ def find_sdpa_sites(graph: fx.Graph, flow: Optional[DataFlow] = None) -> list[Ma
                 # the sequence structure the mask and the keys prove (SPEC section 5)
                 sequences, note = read_site(flow, q, k, v, attn_mask, is_causal, node)
                 if sequences is not None:
-                    attn_mask, is_causal = None, sequences.is_causal
+                    attn_mask = attn_mask if sequences.keep_mask else None
+                    is_causal = sequences.is_causal
                 elif note and kex.dim() == 4 and not same_size(qex.shape[2], kex.shape[2]):
                     reason, note = note, ""  # queries against keys the pass cannot place
             if (sequences is None and isinstance(attn_mask, fx.Node) and not is_causal

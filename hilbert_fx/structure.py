@@ -196,6 +196,10 @@ class Sequences:
     order: Optional[Recipe] = None
     new_kv: Optional[tuple] = None
     trim: bool = False  # position_ids cover more tokens than k has rows: the first Nk are k's
+    # the site's own mask goes to the op beside the cache (its rows of the queries, section 2
+    # over the sequence's rows), where the mask is a bias the pass does not read (T5's relative
+    # positions): is_causal is then False, position_ids None
+    keep_mask: bool = False
 
 
 @dataclass(frozen=True)
@@ -364,6 +368,9 @@ def read_site(flow, q, k, v, attn_mask, is_causal: bool, site: fx.Node, atoms=No
             what = ("the mask is an input of the compiled graph, built outside it (in an earlier "
                     "graph, across a graph break, or by generate() for a static cache), so the "
                     "pass cannot read what it allows")
+        kept = _kept_beside_cache(flow, cache, attn_mask, nq) if shorter else None
+        if kept is not None:
+            return kept, ""
         if shorter:
             beside = "" if cache is not None else ", and k and v are no cache the pass can see"
             return None, (f"q and k have different lengths (q has {nq} positions, k has {nk})"
@@ -469,6 +476,29 @@ def read_site(flow, q, k, v, attn_mask, is_causal: bool, site: fx.Node, atoms=No
     names = sorted(_atom_words(a) for a in rest)
     return None, (f"the mask combines {', '.join(names)}{' with causal' if causal else ''}: not "
                   f"one sequence structure the op takes")
+
+
+def _kept_beside_cache(flow, cache: Optional[_Cache], attn_mask, nq) -> Optional[Sequences]:
+    """A decoding step's mask that the pass does not read (a bias: T5's relative positions)
+    beside a cache it proved: the op takes the mask's rows of the queries, which stand at the
+    cache's last rows (a dynamic cache) or at the rows this step wrote (a static one), as the
+    full forward keeps the same mask over the whole row (section 2). Only a mask built in this
+    graph: one passed in may hold anything, and a window's cache may have dropped its first
+    tokens (a window is a triangle the pass reads, and then not kept here)."""
+    if (cache is None or cache.kind not in ("dynamic", "static")
+            or not isinstance(attn_mask, fx.Node) or attn_mask.op == "placeholder"
+            or attn_mask in flow.outer):
+        return None
+    first = None
+    if cache.kind == "static":
+        if cache.rows is None:
+            return None
+        first = Recipe(first_row, (cache.rows,))
+    where = ("a dynamic cache (torch.cat)" if cache.kind == "dynamic" else
+             "a static cache (seqused_k = the first query's cache row + Nq)")
+    return Sequences(f"the mask (a bias the pass does not read) kept beside {where}: the "
+                     f"queries' rows of it, over the sequence's rows", False, None, first, None,
+                     (cache.new_k, cache.new_v), keep_mask=True)
 
 
 def _atom_words(a) -> str:

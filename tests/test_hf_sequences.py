@@ -496,6 +496,48 @@ def test_encoder_decoder_generate_runs_the_encoder_through_the_pass(monkeypatch,
     assert graphs == {3 * LAYERS}, graphs  # one graph a forward: encoder, decoder, cross sites
 
 
+def t5():
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=LAYERS,
+        num_decoder_layers=LAYERS, relative_attention_num_buckets=8, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1, attn_implementation="sdpa"))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # weights large enough that greedy tokens differ from step to step
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.25)
+    return model.eval()
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_t5_decodes_with_its_position_bias_beside_the_cache(cache):
+    """T5's decoder self-attention adds a relative-position bias the pass does not read: the
+    full forward keeps it as a mask over the row (section 2), and each decoding step hands the
+    op its rows beside the cache (structure.read_site keep_mask), so every step is rewritten
+    and each token is the argmax of the compiled model's full forward (the steps ran dense
+    before: 7 of 14 tokens differed)."""
+    torch.manual_seed(0)
+    model = t5()
+    src, new = tokens(13, 7), 10
+    torch._dynamo.reset()
+    be = recording_backend(W, R)
+    hilbert_fx.compile_for_generate(model, backend=be)
+    with torch.no_grad():
+        out = model.generate(src, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             eos_token_id=None, cache_implementation=cache,
+                             return_dict_in_generate=True, output_logits=True)
+        sites = recorded_sites(be)
+        for t in range(new):
+            full = model(input_ids=src, decoder_input_ids=out.sequences[:, :t + 1],
+                         use_cache=False).logits[0, -1]
+            torch.testing.assert_close(out.logits[t][0], full, atol=1e-4, rtol=1e-4)
+            assert out.sequences[0, t + 1] == full.argmax(), t
+    decoding = [s for s in sites if "SelfAttention" in s.module and s.module.startswith("decoder")]
+    assert decoding and all(s.action == "rewritten" for s in decoding), \
+        [(s.module, s.action, s.reason) for s in decoding]
+    assert any("kept beside" in (s.sequences.what if s.sequences else "") for s in decoding)
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_beam_search_gives_each_row_what_the_reference_gives_it_alone(cache):
     """Beam search (3 beams, the cache reordered between steps) over a batch whose second
