@@ -117,7 +117,7 @@ class RowLabels:
         name = target_name(node).split(".")[-1]
         shape_in, shape_out = _shape(src), _shape(node)
         if name in _SPLITS:
-            return self._split(node, name, labels, shape_in)
+            return self._split(node, name, labels)
         if shape_out is None:
             return None
         if name in ("transpose", "swapaxes", "swapdims"):
@@ -146,7 +146,7 @@ class RowLabels:
         return None
 
     def _dims(self, node, count: int) -> list:
-        args = list(node.args[1:]) if node.op == "call_method" else list(node.args[1:])
+        args = list(node.args[1:])  # after the tensor (a method's self, a function's input)
         names = ("dim0", "dim1")
         return [args[i] if i < len(args) else node.kwargs.get(names[i]) for i in range(count)]
 
@@ -191,7 +191,7 @@ class RowLabels:
             return tuple(l for i, l in enumerate(labels) if i != dims[0])
         return tuple(_cut(l, _where(node)) if i in dims else l for i, l in enumerate(labels))
 
-    def _split(self, node, name, labels, shape_in):
+    def _split(self, node, name, labels):
         (d,) = self._acted_dim(node, name, len(labels))[:1] or (None,)
         if d is None:
             return None
