@@ -157,8 +157,6 @@ def _flex_match(graph: fx.Graph, flow: DataFlow, node: fx.Node) -> Match:
     sequences, note = read_site(flow, q, k, v, None, False, node, atoms=atoms)
     if sequences is not None:
         is_causal = sequences.is_causal
-    elif note and not same_size(qex.shape[2], kex.shape[2]):
-        return replace(found, reason=f"FlexAttention: {note}")
     elif not atoms or atoms == {Tri(True, 0)}:
         is_causal = bool(atoms)
     else:

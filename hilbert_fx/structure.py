@@ -381,12 +381,8 @@ def read_site(flow, q, k, v, attn_mask, is_causal: bool, site: fx.Node, atoms=No
     rels = [a for a in atoms if isinstance(a, Rel)]
     lengths = f"q and k have different lengths (q has {nq} positions, k has {nk})"
     if shorter and cache is None:
-        if is_causal or attn_mask is not None or atoms:
-            # the op would take the queries for the last rows of k (SPEC section 5), where SDPA
-            # aligns is_causal top-left and a mask may say anything
-            return None, (f"{lengths}, and k and v are no cache the pass can see: where the "
-                          f"queries stand among the keys is not known")
-        # the rule book's words (lowering.arguments.problem) say what is wrong
+        # no structure: find._placed reports queries that no cache places, after the
+        # self-attention proof, for every finder
         return None, ""
     if cache is None and not rels:
         # triangles over the row alone: causal, and what else a model lays over it (a sliding
