@@ -36,6 +36,8 @@ __all__ = ["build", "available"]
 
 # the C type of each scalar in the launcher's signature (driver.py, ty_to_cpp), as struct codes;
 # floats in 16 bits are left to the C launcher
+_INTEGERS = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "u32": ctypes.c_uint32,
+             "u64": ctypes.c_uint64}  # the integers a call may pass (triton_launch.Value)
 _SCALARS = {"i1": "b", "i8": "b", "i16": "h", "i32": "i", "i64": "q", "u1": "B", "u8": "B",
             "u16": "H", "u32": "I", "u64": "Q", "fp32": "f", "f32": "f", "fp64": "d"}
 _MAP_BYTES = 128  # sizeof(CUtensorMap)
@@ -113,13 +115,15 @@ class DriverLaunch:
     tensors (`bufs`, by slot) on `stream`. `fallback(bufs, stream)`: the same launch through
     Triton's C launcher."""
     __slots__ = ("_block", "_params", "_config", "_config_ref", "_function", "_pointers",
-                 "_maps", "_lock", "fallback", "_launch")
+                 "_values", "_maps", "_lock", "fallback", "_launch")
 
     def __call__(self, bufs: list, stream) -> None:
         params = self._params
         with self._lock:
             for cell, slot in self._pointers:
                 cell.value = bufs[slot].data_ptr()
+            for cell, slot in self._values:
+                cell.value = bufs[slot]
             for index, slot, maps in self._maps:
                 params[index] = maps.address(bufs[slot])
             self._config.hStream = stream
@@ -160,7 +164,7 @@ def map_address(obj) -> int:
     return id(obj) + _MAP_OFFSET
 
 
-def build(compiled, values: list, pointer_slots, map_slots, grid, fallback):
+def build(compiled, values: list, pointer_slots, map_slots, grid, fallback, value_slots=()):
     """A DriverLaunch of `compiled` (a Triton CompiledKernel whose launcher has run), or None
     where the launch must keep Triton's C launcher (module docstring).
 
@@ -168,7 +172,9 @@ def build(compiled, values: list, pointer_slots, map_slots, grid, fallback):
     (descriptors expanded into tensor map, shape and strides), with the call's tensors' places
     holding anything; pointer_slots: (position in values, slot) of those tensors;
     map_slots: (position of a tensor map in values, slot, expand) where expand(x) gives the
-    expansion of the descriptor of tensor x; grid: three ints."""
+    expansion of the descriptor of tensor x; grid: three ints; value_slots: (position in values,
+    slot) of the integers each call passes (bufs[slot] an int of the class the kernel was
+    compiled for: triton_launch.Value)."""
     functions = _functions() if sys.platform.startswith("linux") else None
     try:
         run, src, metadata = compiled.run, compiled.src, compiled.metadata
@@ -185,6 +191,7 @@ def build(compiled, values: list, pointer_slots, map_slots, grid, fallback):
         return None
     launch_kernel, param_info = functions
     pointer_at, map_at = dict(pointer_slots), {i: (slot, expand) for i, slot, expand in map_slots}
+    value_at = dict(value_slots)
     kept = [(i, ty) for i, ty in enumerate(signature) if ty != "constexpr"]
     sizes = [_param_size(ty) for _, ty in kept] + [8, 8]  # the two scratch pointers
     if None in sizes or not _params_match(param_info, function, sizes):
@@ -194,7 +201,7 @@ def build(compiled, values: list, pointer_slots, map_slots, grid, fallback):
     block = ctypes.create_string_buffer(8 * len(sizes))
     base = ctypes.addressof(block)
     params = (ctypes.c_void_p * len(sizes))()
-    pointers, maps = [], []
+    pointers, maps, integers = [], [], []
     for n, (i, ty) in enumerate(kept):
         params[n] = base + 8 * n
         value = values[i]
@@ -208,6 +215,10 @@ def build(compiled, values: list, pointer_slots, map_slots, grid, fallback):
             if not ty.startswith("*"):
                 return None
             pointers.append((ctypes.c_uint64.from_address(base + 8 * n), pointer_at[i]))
+        elif i in value_at:
+            if ty not in _INTEGERS:
+                return None
+            integers.append((_INTEGERS[ty].from_address(base + 8 * n), value_at[i]))
         elif ty.startswith("*"):
             if value is not None and not isinstance(value, int):
                 return None
@@ -226,7 +237,7 @@ def build(compiled, values: list, pointer_slots, map_slots, grid, fallback):
     out = DriverLaunch()
     out._block, out._params, out._config = block, params, config
     out._config_ref, out._function = ctypes.byref(config), ctypes.c_void_p(function)
-    out._pointers, out._maps = tuple(pointers), tuple(maps)
+    out._pointers, out._values, out._maps = tuple(pointers), tuple(integers), tuple(maps)
     out._lock, out.fallback, out._launch = threading.Lock(), fallback, launch_kernel
     return out
 

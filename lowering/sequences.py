@@ -285,9 +285,36 @@ class Cache:
     gapless: bool = False
 
 
+# An arange per device whose prefixes are a cache's key rows, so that a decoding step against a
+# cache without position_ids or seqused_k (a transformers DynamicCache) makes no tensor: each
+# would cost a kernel launch on the host's clock, layer after layer. The aranges made are all
+# kept (a CUDA graph may read one that a longer one replaced).
+_aranges: dict = {}
+_ARANGE_MIN = 4096
+
+
+def _arange(n: int, device) -> Tensor:
+    """torch.arange(n, device=device) (int64), as a view of one kept per device; made anew and
+    not kept while a CUDA graph is being captured (the graph, not this call, would write it)."""
+    kept = _aranges.get(device)
+    if kept is not None and kept[-1].shape[0] >= n:
+        return kept[-1][:n]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.arange(n, device=device)
+    longest = 0 if kept is None else kept[-1].shape[0]
+    made = torch.arange(max(n, 2 * longest, _ARANGE_MIN), device=device)
+    _aranges.setdefault(device, []).append(made)
+    return made[:n]
+
+
 def cache_of(nq: int, nk: int, batch: int, position_ids: Optional[Tensor],
              seqused_k: Optional[Tensor], device) -> Cache:
     """Queries are the last nq used key rows of each batch row (SPEC section 5, a cache)."""
+    if position_ids is None and seqused_k is None and nq <= min(nk, DECODE_MAX_QUERIES):
+        # a decoding step: views, no tensor made (a chunk's rows stay tensors of their own, as
+        # plans_of keeps plans for as long as the rows' tensor lives)
+        rows = _arange(nk, torch.device(device))
+        return Cache(rows.expand(batch, nk), rows[nk - nq:].expand(batch, nq), gapless=True)
     rows = torch.arange(nk, device=device)
     if position_ids is None:
         key_positions = rows.expand(batch, nk)

@@ -37,8 +37,9 @@ from torch import Tensor
 
 from . import plans
 from .sequences import key_ranks
+from .triton_launch import Launch, Slot, Value, int_class, launch_stream
 from .triton_lowering import LOG2E, MAX_HEAD_DIM, NEG_INF, SUPPORTED_DTYPES, interpreter_active
-from .tuning import fp32_precision
+from .tuning import fp32_precision, tuning
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -286,6 +287,77 @@ def decode_forward(q: Tensor, k: Tensor, v: Tensor, key_positions: Tensor, query
     synchronisation: it can be captured in a CUDA graph once a first call built its tables.
     """
     interpreted = interpreter_active()
+    knobs = tuning()
+    key_positions, query_rows = key_positions.to(torch.int64), query_rows.to(torch.int64)
+    key = _key(q, k, v, key_positions, query_rows, segment_lengths, dilation_rates, hilbert, scale,
+               split_size, gapless, interpreted, knobs)
+    program = _programs.get(key) if key is not None else None
+    # a program's key holds all that the checks read but the cache's length: a call that finds
+    # one, with k, v and key_positions of one length, passes them
+    if program is None or not (v.shape[2] == k.shape[2]
+                               and key_positions.shape == (q.shape[0], k.shape[2])):
+        _check(q, k, v, key_positions, query_rows, segment_lengths, dilation_rates, split_size,
+               interpreted)
+    b, hq, nq, _ = q.shape
+    nk, dv = k.shape[2], v.shape[-1]
+    if b * hq * nq == 0 or nk == 0 or not len(segment_lengths):
+        return (torch.zeros(b, hq, nq, dv, dtype=q.dtype, device=q.device),
+                torch.full((b, hq, nq), NEG_INF, dtype=torch.float32, device=q.device))
+    if gapless:  # keys are rows: no rank tables (the kernel does not read them)
+        rank = row_of_rank = key_positions
+    else:
+        rank, row_of_rank = key_ranks(key_positions, torch.int32)  # contiguous [B, Nk]
+    tensors = (q, k, v, key_positions, query_rows, rank, row_of_rank)
+    if program is None:
+        segment_lengths = tuple(int(w) for w in segment_lengths)
+        dilation_rates = tuple(int(r) for r in dilation_rates)
+        program = _Program(*tensors, segment_lengths, dilation_rates, bool(hilbert),
+                           _scale(scale, q), split_size, gapless, interpreted, knobs)
+        if key is not None:
+            if len(_programs) >= 64:
+                _programs.clear()
+            _programs[key] = program
+    return program(tensors, _values(k, v, key_positions, gapless))
+
+
+def _scale(scale, q: Tensor) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def _values(k: Tensor, v: Tensor, key_positions: Tensor, gapless: bool) -> tuple:
+    """A call's Values (the slots K_B ... CACHE_LEN): k's and v's batch and head strides, the
+    row strides of key_positions and of the rank tables (key_positions itself when gapless,
+    else contiguous: key_ranks), the cache's length."""
+    nk = k.shape[2]
+    return (k.stride(0), k.stride(1), v.stride(0), v.stride(1), key_positions.stride(0),
+            key_positions.stride(0) if gapless else nk, nk)
+
+
+def _key(q, k, v, key_positions, query_rows, segment_lengths, dilation_rates, hilbert, scale,
+         split_size, gapless, interpreted, knobs) -> tuple | None:
+    """A program's key: everything its launches fix (triton_launch.Launch) and everything the
+    checks read, but the tensors' addresses and the Values (of which the class Triton
+    specialises on); None for arguments that are no tensors of four and two dimensions."""
+    try:
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or key_positions.dim() != 2 \
+                or query_rows.dim() != 2:
+            return None
+        return (q.shape, q.stride(), k.shape[:2], k.shape[3], k.stride()[2:], v.shape[:2],
+                v.shape[3], v.stride()[2:], key_positions.stride(1), query_rows.shape,
+                query_rows.stride(),
+                *((t.dtype, t.device, t.data_ptr() % 16)
+                  for t in (q, k, v, key_positions, query_rows)),
+                tuple(segment_lengths), tuple(dilation_rates), bool(hilbert), _scale(scale, q),
+                split_size, bool(gapless), interpreted,
+                fp32_precision(q.dtype, interpreted, False, knobs), id(knobs),
+                *map(int_class, _values(k, v, key_positions, gapless)))
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _check(q, k, v, key_positions, query_rows, segment_lengths, dilation_rates, split_size,
+           interpreted) -> None:
+    """decode_forward's checks (ValueError, or RuntimeError where the kernel cannot run)."""
     if q.device.type == "cpu" and not interpreted:
         raise RuntimeError("the Triton decode kernel on CPU tensors needs TRITON_INTERPRET=1 set "
                            "before triton is first imported")
@@ -319,60 +391,97 @@ def decode_forward(q: Tensor, k: Tensor, v: Tensor, key_positions: Tensor, query
     for w, r in zip(segment_lengths, dilation_rates):
         if w <= 0 or r <= 0 or w % r:
             raise ValueError(f"segment length {w} must be a positive multiple of dilation rate {r}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
+    block_n = _tiles(q, dv, interpreted)[0]
+    if split_size is not None and (split_size <= 0 or split_size % block_n):
+        raise ValueError(f"split_size must be a positive multiple of {block_n}, got {split_size}")
 
-    if b * hq * nq == 0 or nk == 0 or not segment_lengths:
-        return (torch.zeros(b, hq, nq, dv, dtype=q.dtype, device=q.device),
-                torch.full((b, hq, nq), NEG_INF, dtype=torch.float32, device=q.device))
-    key_positions = key_positions.to(torch.int64)
-    query_rows = query_rows.to(torch.int64)
-    if gapless:  # keys are rows: no rank tables (the kernel does not read them)
-        rank = row_of_rank = key_positions
-    else:
-        rank, row_of_rank = key_ranks(key_positions, torch.int32)  # contiguous [B, Nk]
 
-    group = hq // hkv
-    upcast = interpreted and q.dtype == torch.bfloat16
-    block_d, block_dv = max(16, _next_pow2(d)), max(16, _next_pow2(dv))
-    block_h = max(16, _next_pow2(group))
+def _tiles(q: Tensor, dv: int, interpreted: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the split kernel."""
     if interpreted:
-        block_n, num_warps, num_stages = 16, 4, 1
-    else:
-        wide = max(block_d, block_dv) > 128 or q.dtype == torch.float32
-        block_n, num_warps, num_stages = (32 if wide else 64), 4, 2
-    sizes = [w // r for w, r in zip(segment_lengths, dilation_rates)]
-    programs = b * hkv * nq
-    if split_size is None:
-        split_n = _split_size(sum(sizes), max(sizes), programs, block_n, q.device, interpreted)
-    else:
-        if split_size <= 0 or split_size % block_n:
-            raise ValueError(f"split_size must be a positive multiple of {block_n}, "
-                             f"got {split_size}")
-        split_n = int(split_size)
-    members, class_of, slot_of, meta = _launch_tables(
-        segment_lengths, dilation_rates, bool(hilbert), split_n, str(q.device))
-    num_splits = meta.shape[0]
-    if num_splits > 65535:
-        raise ValueError(f"{num_splits} splits exceed the grid's 65535; pass a larger split_size")
+        return 16, 4, 1
+    wide = max(16, _next_pow2(q.shape[-1]), _next_pow2(dv)) > 128 or q.dtype == torch.float32
+    return (32 if wide else 64), 4, 2
 
-    # every entry of these, and of out and lse, is written by the kernels
-    opart = torch.empty(b, hq, nq, num_splits, dv, dtype=torch.float32, device=q.device)
-    lpart = torch.empty(b, hq, nq, num_splits, dtype=torch.float32, device=q.device)
-    out = torch.empty(b, hq, nq, dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(programs, num_splits)](
-        q, k, v, key_positions, query_rows, rank, row_of_rank, members, class_of, slot_of, meta,
-        opart, lpart,
-        *q.stride(), *k.stride(), *v.stride(), *key_positions.stride(), *query_rows.stride(),
-        rank.stride(0),
-        hq, hkv, nq, nk, group, num_splits, split_n, scale * LOG2E,
-        HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_H=block_h,
-        BLOCK_N=block_n, UPCAST=upcast, HOLES=not gapless,
-        PRECISION=fp32_precision(q.dtype, interpreted, upcast),
-        num_warps=num_warps, num_stages=num_stages)
-    block_s = min(_next_pow2(num_splits), max(1, 4096 // block_dv))
-    _decode_combine_kernel[(b * hq * nq,)](
-        opart, lpart, out, lse, num_splits, HEAD_DIM_V=dv, BLOCK_DV=block_dv,
-        BLOCK_S=block_s, num_warps=4)
-    return out, lse
+
+# The launches' slots (triton_launch.Slot): a call's tensors and workspace, then the integers
+# that change from one decoding step to the next against a growing cache (its length and the
+# strides that follow from it), passed as they are (triton_launch.Value)
+_SLOTS = ("q", "k", "v", "key_positions", "query_rows", "rank", "row_of_rank", "opart", "lpart",
+          "out", "lse")
+Q, K, V, KPOS, QROWS, RANK, ROW_OF_RANK, OPART, LPART, OUT, LSE = (
+    Slot(i, n) for i, n in enumerate(_SLOTS))
+K_B, K_H, V_B, V_H, P_B, T_B, CACHE_LEN = (
+    Value(len(_SLOTS) + i, n) for i, n in enumerate(
+        ("stride_kb", "stride_kh", "stride_vb", "stride_vh", "stride_pb", "stride_tb", "nk")))
+
+# Programs by what their launches fix (decode_forward's key): a decoding step passes the same
+# arguments but for the cache's length, layer after layer and token after token.
+_programs: dict = {}
+
+
+class _Program:
+    """decode_forward's two launches for one configuration, planned once (the tables, the
+    splits, the tiles and the grid; triton_launch.Launch keeps what Triton's binding found),
+    then fed each call's tensors and Values."""
+
+    def __init__(self, q, k, v, key_positions, query_rows, rank, row_of_rank, segment_lengths,
+                 dilation_rates, hilbert, scale, split_size, gapless, interpreted, knobs):
+        b, hq, nq, d = q.shape
+        hkv, dv = k.shape[1], v.shape[-1]
+        group = hq // hkv
+        upcast = interpreted and q.dtype == torch.bfloat16
+        block_d, block_dv = max(16, _next_pow2(d)), max(16, _next_pow2(dv))
+        block_h = max(16, _next_pow2(group))
+        block_n, num_warps, num_stages = _tiles(q, dv, interpreted)
+        sizes = [w // r for w, r in zip(segment_lengths, dilation_rates)]
+        programs = b * hkv * nq
+        split_n = split_size or _split_size(sum(sizes), max(sizes), programs, block_n, q.device,
+                                            interpreted)
+        members, class_of, slot_of, meta = _launch_tables(
+            segment_lengths, dilation_rates, hilbert, split_n, str(q.device))
+        num_splits = meta.shape[0]
+        if num_splits > 65535:
+            raise ValueError(f"{num_splits} splits exceed the grid's 65535; pass a larger "
+                             f"split_size")
+        self.device, self.dtype, self.knobs = q.device, q.dtype, knobs
+        self.out_shape, self.rows = (b, hq, nq, dv), (b, hq, nq)
+        # one float32 workspace: the splits' outputs and log-sum-exps, then lse (every entry
+        # written by the kernels), at 256-byte starts
+        parts = b * hq * nq * num_splits
+        self.spans = [(0, parts * dv), (_up(parts * dv), _up(parts * dv) + parts)]
+        lse_start = _up(self.spans[1][1])
+        self.lse_span = (lse_start, lse_start + b * hq * nq)
+        self.workspace = self.lse_span[1]
+        self.steps = [
+            Launch(_decode_split_kernel,
+                   [Q, K, V, KPOS, QROWS, RANK, ROW_OF_RANK, members, class_of, slot_of, meta,
+                    OPART, LPART, *q.stride(), K_B, K_H, *k.stride()[2:], V_B, V_H,
+                    *v.stride()[2:], P_B, key_positions.stride(1), *query_rows.stride(), T_B,
+                    hq, hkv, nq, CACHE_LEN, group, num_splits, split_n, scale * LOG2E],
+                   dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                        BLOCK_H=block_h, BLOCK_N=block_n, UPCAST=upcast, HOLES=not gapless,
+                        PRECISION=fp32_precision(q.dtype, interpreted, upcast, knobs),
+                        num_warps=num_warps, num_stages=num_stages),
+                   (programs, num_splits)),
+            Launch(_decode_combine_kernel, [OPART, LPART, OUT, LSE, num_splits],
+                   dict(HEAD_DIM_V=dv, BLOCK_DV=block_dv,
+                        BLOCK_S=min(_next_pow2(num_splits), max(1, 4096 // block_dv)),
+                        num_warps=4),
+                   (b * hq * nq,))]
+
+    def __call__(self, tensors: tuple, values: tuple) -> tuple[Tensor, Tensor]:
+        device = self.device
+        workspace = torch.empty(self.workspace, dtype=torch.float32, device=device)
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
+        lse = workspace[self.lse_span[0]:self.lse_span[1]].view(self.rows)
+        (o0, o1), (l0, l1) = self.spans
+        bufs = [*tensors, workspace[o0:o1], workspace[l0:l1], out, lse, *values]
+        stream = launch_stream(device, self.knobs)
+        for step in self.steps:
+            step(bufs, stream)
+        return out, lse
+
+
+def _up(n: int) -> int:
+    return -(-n // 64) * 64

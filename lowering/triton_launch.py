@@ -32,7 +32,8 @@ from . import driver_launch, gluon_forward
 from .tuning import Tuning
 from .tuning import shrunk as _shrunk
 
-__all__ = ["Slot", "Launch", "Emulated", "launch_stream", "NUM_SLOTS", "TENSOR_MAPS"]
+__all__ = ["Slot", "Value", "int_class", "Launch", "Emulated", "launch_stream", "NUM_SLOTS",
+           "TENSOR_MAPS"]
 
 
 class Slot:
@@ -46,6 +47,24 @@ class Slot:
 
     def __repr__(self) -> str:
         return f"Slot({self.name})"
+
+
+class Value(Slot):
+    """An integer of each call in the arguments of a cached launch (a decoding step's cache
+    length and the strides that follow from it: lowering/triton_decode.py), passed as it is
+    where a Slot's tensor goes by its address. A program that takes Values is keyed by their
+    `int_class`, so that the kernel its first launch compiled serves every later value."""
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"Value({self.name})"
+
+
+def int_class(value: int) -> tuple:
+    """What Triton's binder specialises an integer argument on: equal to 1 (then a compile-time
+    constant), a multiple of 16, and its C type by range."""
+    kind = "i32" if -2**31 <= value < 2**31 else "u64" if value >= 2**63 else "i64"
+    return value == 1, value % 16 == 0, kind
 
 
 _SLOT_NAMES = ("q", "k", "v", "dout", "mask", "seed", "dropout_rows", "out", "acc", "lse",
@@ -71,9 +90,10 @@ class Launch:
     compiled kernel, is kept with the arguments in the kernel's parameter order, so that a later
     launch of the same program hands the launcher the arguments directly: the slots filled with
     the call's tensors, nothing else recomputed. That is what Triton's own path would launch: a
-    program's key (triton_lowering._key) fixes every argument other than the data pointers, and
-    the 16-byte alignment of each caller's tensor, which is all that Triton specialises pointers
-    on (the buffers the lowering allocates are always aligned)."""
+    program's key (triton_lowering._key) fixes every argument other than the data pointers and
+    the `Value`s, and the 16-byte alignment of each caller's tensor, which is all that Triton
+    specialises pointers on (the buffers the lowering allocates are always aligned), and each
+    Value's `int_class`."""
     __slots__ = ("kernel", "args", "kwargs", "grid", "grid_of", "cfg", "m_multiple_of_n",
                  "cfg_key", "fast")
 
@@ -97,7 +117,7 @@ class Launch:
         """The launch through Triton's own path (the first, or when a cached one cannot be used:
         the interpreter, launch hooks, another current device, HILBERT_FX_FAST_LAUNCH=0)."""
         Descriptor = gluon_forward.Descriptor
-        args = [bufs[a.index] if type(a) is Slot
+        args = [bufs[a.index] if type(a) in (Slot, Value)
                 else a.make(bufs[a.source.index]) if type(a) is Descriptor else a
                 for a in self.args]
         if self.grid_of is None:
@@ -140,15 +160,16 @@ def _fast_launch(kernel, compiled, args: list, kwargs: dict, grid, bufs: list):
     Descriptor = gluon_forward.Descriptor
     # tensors as their addresses: the launcher takes an int as it is, where for a tensor it calls
     # data_ptr() and asks the driver about the pointer (the tensors stay alive in `args`)
-    template = [None if type(a) in (Slot, Descriptor)
+    template = [None if type(a) in (Slot, Value, Descriptor)
                 else a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
     template += [kwargs[name] for name in names[len(args):]]
     slots = tuple((i, a.index) for i, a in enumerate(args) if type(a) is Slot)
+    values = tuple((i, a.index) for i, a in enumerate(args) if type(a) is Value)
     descriptors = tuple((i, a.source.index, a) for i, a in enumerate(args)
                         if type(a) is Descriptor)
     g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
-    if descriptors and TENSOR_MAPS:
+    if descriptors and TENSOR_MAPS and not values:
         with_maps = _tensor_map_launch(compiled, template, slots, descriptors, (g0, g1, g2),
                                        bufs)
         if with_maps is not None:
@@ -158,13 +179,16 @@ def _fast_launch(kernel, compiled, args: list, kwargs: dict, grid, bufs: list):
         a = template.copy()
         for i, slot in slots:
             a[i] = bufs[slot].data_ptr()
+        for i, slot in values:
+            a[i] = bufs[slot]
         for i, slot, desc in descriptors:
             a[i] = desc.rebase(bufs[slot])
         run(g0, g1, g2, stream, function, metadata, None, None, None, *a)
 
     if descriptors or not _driver_launch_on():
         return launch
-    return driver_launch.build(compiled, template, slots, (), (g0, g1, g2), launch) or launch
+    return driver_launch.build(compiled, template, slots, (), (g0, g1, g2), launch,
+                               values) or launch
 
 
 # Whether launches with TMA descriptors keep their tensor maps by address (`_tensor_map_launch`);
@@ -259,8 +283,9 @@ class Emulated:
 
     def __call__(self, bufs: list, stream) -> None:
         getattr(self.module, self.name)(
-            *[bufs[a.index] if type(a) is Slot else a for a in self.args],
-            **{k: bufs[a.index] if type(a) is Slot else a for k, a in self.kwargs.items()})
+            *[bufs[a.index] if type(a) in (Slot, Value) else a for a in self.args],
+            **{k: bufs[a.index] if type(a) in (Slot, Value) else a
+               for k, a in self.kwargs.items()})
 
 
 _runtime_knobs = None

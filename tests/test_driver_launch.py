@@ -162,3 +162,30 @@ def test_without_a_driver_nothing_is_built():
     if driver_launch.available():
         pytest.skip("a CUDA driver is installed here")
     assert driver_launch.build(_compiled(SIGNATURE), [], [], [], (1, 1, 1), None) is None
+
+
+def test_integers_of_each_call_are_written_in_their_c_types(driver):
+    """triton_launch.Value: an integer each call passes (a decoding step's cache length, the
+    strides that follow from it) goes into its parameter in the kernel's C type at each call."""
+    d = driver(KERNEL)
+    maps = {}
+
+    def expand(t):
+        maps.setdefault(t.data_ptr(), Map(len(maps) + 1))
+        return [maps[t.data_ptr()], 4096, 128, 128, 1]
+
+    tensors = [torch.zeros(4), torch.zeros(4), torch.zeros(8)]
+    values = [None, *expand(tensors[2]), 4097, 0.125, 64, 1 << 40, True, None]
+    launch = driver_launch.build(
+        _compiled(SIGNATURE, meta=[{"swizzle": 128}]), values, [(0, 0), (11, 1)],
+        [(1, 2, expand)], (3, 2, 1), lambda bufs, stream: None, [(6, 3), (9, 4)])
+    assert launch is not None
+    for n, stride in ((4097, 1 << 40), (4113, (1 << 40) + 16), (-3, 7)):
+        launch(tensors + [n, stride], 0)
+        params = d.launches[-1]["params"]
+        assert params[6] == struct.pack("i", n) and params[8] == struct.pack("q", stride)
+        assert params[0] == struct.pack("Q", tensors[0].data_ptr())
+    # an integer of the call where the kernel takes no integer: the C launcher
+    assert driver_launch.build(
+        _compiled(SIGNATURE, meta=[{"swizzle": 128}]), values, [(11, 1)], [(1, 2, expand)],
+        (3, 2, 1), None, [(0, 3)]) is None

@@ -427,3 +427,68 @@ def test_hopper_launches_take_each_call_s_mask_and_dropout(monkeypatch):
         assert [params[s] for s in ("MB", "MH", "MQ", "MK")] == strides
         assert params["keep_threshold"] == keep_threshold(p)
         assert params["drop_scale"] == pytest.approx(1 / (1 - p))
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def _decode_kernels(monkeypatch):
+    """Stand-ins for the decode kernels (lowering/triton_decode.py), with the real parameter
+    names; a fresh set of programs."""
+    from hilbert_fx.lowering import triton_decode
+    kernels = {name: Kernel(getattr(triton_decode, name).arg_names)
+               for name in ("_decode_split_kernel", "_decode_combine_kernel")}
+    for name, kernel in kernels.items():
+        monkeypatch.setattr(triton_decode, name, kernel)
+    monkeypatch.setattr(triton_decode, "_programs", {})
+    return triton_decode, kernels
+
+
+def _step(triton_decode, nk, b=2, hq=4, hkv=2, d=16):
+    """A decoding step of one query per row against a cache of nk rows, as a DynamicCache holds
+    it (contiguous, grown by a row each step), rows counted without position_ids."""
+    from hilbert_fx.lowering import sequences
+    g = torch.Generator().manual_seed(nk)
+    q = torch.randn(b, hq, 1, d, generator=g)
+    k, v = (torch.randn(b, hkv, nk, d, generator=g) for _ in range(2))
+    cache = sequences.cache_of(1, nk, b, None, None, q.device)
+    args = (q, k, v, cache.key_positions, cache.query_rows, (16, 32), (1, 2), True, 0.25)
+    triton_decode.decode_forward(*args, gapless=True)
+    return args
+
+
+def test_decode_programs_pass_each_steps_cache_length(monkeypatch):
+    """Steps against a growing cache share a program while the values Triton specialises on
+    stay in one class: a later step's launches hand the launcher what binding would for that
+    step (its tensors, its cache length and k's and v's strides), and binding runs once."""
+    triton_decode, kernels = _decode_kernels(monkeypatch)
+    split = kernels["_decode_split_kernel"]
+    names = split.arg_names
+    for nk in (40, 56, 72):  # nk % 16 == 8 each time, strides multiples of 16 (D = 16)
+        args = _step(triton_decode, nk)
+        got = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in split.calls[-1][13:]]
+        q, k, v, key_positions, query_rows = args[:5]
+        want = {"Q": q.data_ptr(), "K": k.data_ptr(), "V": v.data_ptr(),
+                "KPos": key_positions.data_ptr(), "QRows": query_rows.data_ptr(), "NK": nk,
+                "stride_kb": k.stride(0), "stride_kh": k.stride(1), "stride_vb": v.stride(0),
+                "stride_vh": v.stride(1), "stride_pb": key_positions.stride(0)}
+        assert {n: got[names.index(n)] for n in want} == want
+    assert len(triton_decode._programs) == 1 and split.bound == 1
+    # a cache length that is a multiple of 16 is another class (Triton specialises on it)
+    _step(triton_decode, 64)
+    assert len(triton_decode._programs) == 2 and split.bound == 2
+    assert split.calls[-1][13 + names.index("NK")] == 64
+    assert kernels["_decode_combine_kernel"].bound == 2
+
+
+def test_decode_steps_make_no_tensor_for_their_rows():
+    """A decoding step against a cache without position_ids or seqused_k gets its key rows and
+    query rows as views of one kept arange (no tensor made, no kernel launched for them)."""
+    from hilbert_fx.lowering import sequences
+    first = sequences.cache_of(1, 40, 2, None, None, torch.device("cpu"))
+    second = sequences.cache_of(2, 41, 2, None, None, torch.device("cpu"))
+    assert first.gapless and second.gapless
+    assert torch.equal(second.key_positions, torch.arange(41).expand(2, 41))
+    assert torch.equal(second.query_rows, torch.tensor([[39, 40], [39, 40]]))
+    assert first.key_positions.untyped_storage().data_ptr() == \
+        second.query_rows.untyped_storage().data_ptr()
