@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch._C import _functions as autograd_functions
 
-from . import decode, sdpa_lowering, sequences
+from . import decode, graph_pools, sdpa_lowering, sequences
 from .arguments import (check_branches, check_flags, check_lowering, check_same_dtype, problem,
                         resolve_lowering)
 from .autocast import autocast_dtype, autocast_off, cast_args, register_autocast
@@ -310,9 +310,12 @@ def _op_forward(q: Tensor, k: Tensor, v: Tensor, segment_lengths: list[int],
 
     position_ids (int64 [B, Nk] or [1, Nk], negative: padding) and seqused_k (int64 [B]) are the
     sequence structure of SPEC section 5, already checked and normalised by the front."""
-    out, lse, _ = _run_forward(q, k, v, segment_lengths, dilation_rates, hilbert, is_causal,
-                               attn_mask, dropout_p, seed, scale, lowering, position_ids,
-                               seqused_k)
+    args = (q, k, v, segment_lengths, dilation_rates, hilbert, is_causal, attn_mask, dropout_p,
+            seed, scale, lowering, position_ids, seqused_k)
+    if graph_pools.warming_up(q.device):  # what the call keeps stays out of the graph's pool
+        out, lse, _ = graph_pools.outside_the_pool(_run_forward, q.device, *args)
+    else:
+        out, lse, _ = _run_forward(*args)
     return out, lse
 
 
@@ -331,9 +334,11 @@ def _op_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse
                  seed: Optional[Tensor], scale: float, lowering: str,
                  position_ids: Optional[Tensor] = None,
                  seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    return _run_backward(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert,
-                         is_causal, attn_mask, dropout_p, seed, scale, lowering, position_ids,
-                         seqused_k)
+    args = (dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert, is_causal,
+            attn_mask, dropout_p, seed, scale, lowering, position_ids, seqused_k)
+    if graph_pools.warming_up(q.device):  # as in _op_forward
+        return graph_pools.outside_the_pool(_run_backward, q.device, *args)
+    return _run_backward(*args)
 
 
 def _op_backward_fake(dout, q, k, v, out, lse, segment_lengths, dilation_rates, hilbert,

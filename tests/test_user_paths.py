@@ -512,3 +512,16 @@ def test_gpt_fast_decoding_is_rewritten_against_its_buffers(branches):
         torch.testing.assert_close(steps, plain, atol=2e-5, rtol=1e-4)
     else:
         assert (steps - plain).abs().max() > 1e-2  # the pattern shows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_reduce_overhead_trains_from_a_fresh_process():
+    """mode="reduce-overhead" as a compiled model's first calls meet it: Inductor's CUDA graph
+    trees warm the graphs up with every allocation in their memory pool while the op builds
+    what it keeps (lowering/graph_pools.py). A fresh process, CUDA graphs first, against the
+    default mode: scripts/graphs_check.py exits non-zero on a difference or a failure."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "graphs_check.py")],
+                          cwd=root, env=dict(os.environ, PYTHONPATH=root), capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
