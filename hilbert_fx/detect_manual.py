@@ -700,11 +700,13 @@ def _match(flow: DataFlow, softmax: fx.Node) -> Optional[Match]:
                 ks, vs = k.shape(), vop.shape()
 
     n = qs[2] if len(qs) == 4 else None
-    # the sequence structure one mask and the keys prove (SPEC section 5: structure.py)
+    # the sequence structure one mask and the keys prove (SPEC section 5: structure.py); a
+    # run-time scale of the scores (a float attribute under dynamic=True reaches the graph as
+    # a tensor's item()) goes onto q and changes no structure
     sequences, note = None, ""
     terms = scores.terms
     if n is not None and heads is None and q.plain and k.plain and vop.plain \
-            and not scores.runtime and len(terms) <= 1 \
+            and len(terms) <= 1 \
             and all(t.factor == 1.0 and t.kind in ("add", "allow") for t in terms):
         sequences, note = read_site(flow, q.node, k.node, vop.node,
                                     terms[0].node if terms else None, False, found.output)

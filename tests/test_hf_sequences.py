@@ -82,12 +82,17 @@ def tokens(n, seed):
     return torch.randint(3, VOCAB, (1, n), generator=g)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_packed_documents_equal_each_document_alone(family):
+PACKED = [(family, None) for family in FAMILIES] + [("llama-eager", True)]
+
+
+@pytest.mark.parametrize("family,dynamic", PACKED,
+                         ids=[f + ("-dynamic" if d else "") for f, d in PACKED])
+def test_packed_documents_equal_each_document_alone(family, dynamic):
     """Three documents packed by DataCollatorWithFlattening (one row, position_ids restarting at
     0, labels -100 at each document's start): logits and the gradients of the loss equal those
     of each document alone; transformers' causal-and-same-document mask became is_causal with
-    position_ids (no N x N mask)."""
+    position_ids (no N x N mask). dynamic=True: the scaling of hand-written attention reaches
+    the graph as a run-time scalar."""
     model = model_of(family)
     lengths = (13, 21, 9)
     docs = [tokens(n, seed) for seed, n in enumerate(lengths)]
@@ -96,7 +101,7 @@ def test_packed_documents_equal_each_document_alone(family):
     alone_batches = [collate([{"input_ids": d[0].tolist()}]) for d in docs]
     torch._dynamo.reset()
     be = recording_backend(W, R)
-    compiled = torch.compile(model, backend=be)
+    compiled = torch.compile(model, backend=be, dynamic=dynamic)
 
     def run(batch):
         """Logits and the gradients of the summed next-token loss (labels shifted by one)."""
@@ -323,7 +328,8 @@ GENERATE = [("llama", "dynamic", 1, None), ("llama", "static", 1, None),
             ("llama", "dynamic", 2, None), ("llama", "static", 2, None),
             ("qwen2", "dynamic", 1, None), ("qwen2", "static", 1, None),
             ("llama-eager", "dynamic", 1, None), ("llama-eager", "static", 2, None),
-            ("llama", "dynamic", 2, True), ("llama", "static", 2, True)]
+            ("llama", "dynamic", 2, True), ("llama", "static", 2, True),
+            ("llama-eager", "dynamic", 2, True), ("llama-eager", "static", 2, True)]
 
 
 @pytest.mark.parametrize("family,cache,batch,dynamic", GENERATE,
@@ -335,7 +341,8 @@ def test_generate_picks_the_argmax_of_full_forwards(family, cache, batch, dynami
     their argmax). Batch 2: the second prompt is shorter, left-padded; its full forwards run on
     the row alone. Every decoding step's attention is rewritten against the cache. dynamic=True
     from the first call: sizes are symbols, and Dynamo passes the model's float attributes
-    (a norm's eps) as 0-d tensors, which the pass must not take for activations."""
+    (a norm's eps, hand-written attention's scaling) as 0-d tensors, which the pass must not
+    take for activations, nor let hide the sequence structure."""
     model = model_of(family)
     prompts = [tokens(17, 3), tokens(11, 4)][:batch]
     width = max(p.shape[1] for p in prompts)
